@@ -1,0 +1,218 @@
+"""One pydantic model per run.yaml section. Every field has a docstring; cross-field rules are
+model validators so that an error names the field it is about."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_BYTE_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'48GiB' -> 51539607552, '80GB' -> 80e9, 1024 -> 1024. Raises ValueError with the input."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"a size must be positive, got {text}")
+        return int(text)
+    match = _BYTES_RE.match(str(text))
+    if not match:
+        raise ValueError(f"'{text}' is not a size; write it like 48GiB, 80GB or 512MiB")
+    value = float(match.group(1)) * _BYTE_UNITS[(match.group(2) or "B").lower()]
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got '{text}'")
+    return int(value)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class Mode(str, Enum):
+    full = "full"
+    lora = "lora"
+
+
+class Quantization(str, Enum):
+    none = "none"
+    qint8 = "qint8"
+    qfloat8 = "qfloat8"
+    qint4 = "qint4"
+
+
+class ModelConfig(_Section):
+    name_or_path: str = "flux-dev"
+    """A catalog name (flux-dev, sdxl-base, tiny-flux, ...), a diffusers model config.json, a local
+    diffusers model folder, or a Hugging Face hub id."""
+    subfolder: str | None = None
+    """Subfolder of a model folder or hub repo that holds the denoiser; found from model_index.json
+    when not given."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for hub ids."""
+
+
+class LoraConfig(_Section):
+    rank: int = Field(16, ge=1, le=1024)
+    """LoRA rank r (the inner dimension of the A/B pair)."""
+    alpha: float | None = Field(None, gt=0)
+    """LoRA alpha; the update is scaled by alpha / rank. Defaults to the rank."""
+    target_modules: list[str] | None = None
+    """Module names (peft semantics) to adapt; the family's default when not given."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+
+
+class TrainingConfig(_Section):
+    mode: Mode = Mode.full
+    """full: every denoiser weight trains. lora: only LoRA adapters train; the base is frozen."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA settings, used when mode is lora."""
+    quantize_base: Quantization = Quantization.none
+    """Quantize the frozen base with optimum-quanto (LoRA only): qint8, qfloat8 or qint4."""
+    global_batch_size: int = Field(8, ge=1)
+    """Images per optimizer step across all GPUs: micro-batch x accumulation x world size."""
+    micro_batch_size: int | Literal["auto"] = "auto"
+    """Images per GPU per forward pass; auto lets the planner choose."""
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute activations in backward; auto lets the planner choose."""
+    max_steps: int = Field(1000, ge=1)
+    """Optimizer steps to train for."""
+    seed: int = 0
+    """Seed for every random number generator of the run."""
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_micro_batch(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be at least 1, or auto")
+        return value
+
+    @model_validator(mode="after")
+    def _quantize_needs_lora(self) -> TrainingConfig:
+        if self.quantize_base is not Quantization.none and self.mode is not Mode.lora:
+            raise ValueError(
+                f"quantize_base={self.quantize_base.value} needs mode=lora: a quantized base is frozen, "
+                "so only LoRA adapters can train over it"
+            )
+        return self
+
+
+class DataConfig(_Section):
+    resolution: int = Field(1024, ge=64, le=8192)
+    """Target training resolution R in pixels; buckets have about R x R pixels."""
+    text_tokens: int | None = Field(None, ge=1)
+    """Text sequence length fed to the denoiser; the family's default when not given
+    (Flux 512 T5 tokens, SD3 77 CLIP + 256 T5, SDXL/SD1.5 77)."""
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw"] = "adamw"
+    """AdamW; DeepSpeed's CPU Adam is used automatically when the optimizer is offloaded."""
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam beta1, beta2."""
+    weight_decay: float = Field(0.01, ge=0)
+    """Decoupled weight decay."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+class HardwareConfig(_Section):
+    gpus: str = "auto"
+    """auto (detect through NVML), a profile like 8xA100-80GB, 2xH100-80GB, 1xRTX4090-24GB, or a
+    bare count like 4 together with gpu_memory."""
+    nodes: int = Field(1, ge=1, le=4096)
+    """Number of nodes, each with the GPUs above."""
+    gpu_memory: str | None = None
+    """Memory of one GPU (48GiB, 80GB); overrides the detected or profiled size."""
+    host_memory: str | None = None
+    """Host RAM per node for CPU offload; detected locally, or the profile's typical size."""
+    nvme_path: Path | None = None
+    """Folder on a local NVMe drive for NVMe offload; offload to NVMe is considered only when set."""
+    nvme_space: str | None = None
+    """Free space at nvme_path on the training nodes; measured at nvme_path when not given."""
+
+    @field_validator("gpu_memory", "host_memory", "nvme_space")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_bytes(value)
+        return value
+
+
+class PlannerConfig(_Section):
+    headroom: float = Field(0.08, ge=0.0, lt=0.9)
+    """Fraction of each GPU's memory the plan keeps free as a safety margin."""
+    stages: list[Literal[0, 1, 2, 3]] = [0, 1, 2, 3]
+    """ZeRO stages the search may choose from."""
+    offload: list[Literal["none", "cpu", "nvme"]] = ["none", "cpu", "nvme"]
+    """Offload targets the search may choose from (nvme needs hardware.nvme_path)."""
+    max_micro_batch: int = Field(32, ge=1)
+    """Largest micro-batch the search tries."""
+    assumed_mfu: float = Field(0.40, gt=0.0, le=1.0)
+    """Model FLOPs utilisation assumed for the compute part of the step-time estimate."""
+    cuda_context_bytes: int = Field(600 * 2**20, ge=0)
+    """Per-process CUDA context outside the allocator; 0.3-0.7 GB per process is typical
+    (FIELD_NOTES); calibrate on the GPU."""
+    nccl_workspace_bytes: int = Field(400 * 2**20, ge=0)
+    """NCCL communicator buffers plus the cuBLAS workspace per process."""
+    fragmentation: float = Field(0.10, ge=0.0, le=1.0)
+    """Allocator overhead as a fraction of allocated bytes (reserved/allocated - 1): 10-50% with
+    changing shapes, low with expandable_segments (FIELD_NOTES)."""
+    reduce_bucket_size: int = Field(200_000_000, ge=1)
+    """DeepSpeed reduce_bucket_size in elements; written into the config."""
+    allgather_bucket_size: int = Field(200_000_000, ge=1)
+    """DeepSpeed allgather_bucket_size in elements (ZeRO 1/2); written into the config."""
+    overlap_comm: bool = True
+    """Overlap gradient reduction with backward (doubles the reduce bucket)."""
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
+    """ZeRO-3 parameter prefetch, in elements; written into the config."""
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=1)
+    """ZeRO-3 cap on gathered parameters, in elements; written into the config."""
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0)
+    """ZeRO-3 keeps parameters smaller than this (elements) gathered on every GPU."""
+    sub_group_size: int = Field(1_000_000_000, ge=1)
+    """ZeRO-3 optimizer sub-group, in elements: bounds the fp32 gradient copy at the step."""
+    cache_dir: Path | None = None
+    """Where measured model facts are cached; ~/.cache/zerotrain/facts when not given."""
+
+
+class RunConfig(_Section):
+    """The whole run: one object, validated once, that drives plan, cache and train."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The denoiser to train."""
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """Training mode and batch."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Resolution and conditioning lengths."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer and clipping."""
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    """GPUs and nodes to plan for."""
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    """Search space and calibration constants of the memory planner."""
+    deepspeed: Literal["auto"] | Path | dict[str, Any] = "auto"
+    """auto: the planner writes the DeepSpeed config. A path or an inline dict is used as given."""
+    output_dir: Path = Path("runs/zerotrain")
+    """Run folder for plans, checkpoints and logs."""
+
+    @model_validator(mode="after")
+    def _batch_fits_world(self) -> RunConfig:
+        if isinstance(self.training.micro_batch_size, int) and self.training.micro_batch_size > self.training.global_batch_size:
+            raise ValueError(
+                f"training.micro_batch_size={self.training.micro_batch_size} exceeds "
+                f"training.global_batch_size={self.training.global_batch_size}"
+            )
+        return self
