@@ -1,0 +1,265 @@
+"""The model catalog and model resolution: every entry builds to the published parameter count, tiny
+entries run on CPU, and local folders, bare config.json files and hub ids resolve or fail in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import diffusers
+import huggingface_hub.constants
+import pytest
+import torch
+
+from zerotrain.config import ModelConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.models.catalog import FAMILIES, ModelSpec, catalog_names, resolve_model
+
+CATALOG_DIR = Path(__file__).resolve().parents[2] / "zerotrain" / "models" / "catalog"
+
+# sum(p.numel() for p in model.parameters()) of the diffusers 0.42 classes built from each config on
+# the meta device. flux-dev, sdxl-base and sd1.5 match the published figures exactly (11.9B, 2.57B,
+# 859,520,964). The SD3.5 figures exclude the fixed sin-cos `pos_embed` buffer that the published
+# "8.1B" / "2.5B" include: 192*192*2432 = 89,653,248 (large) and 384*384*1536 = 226,492,416 (medium).
+# flux-schnell is dev without the guidance embedder (2 x Linear: 256*3072+3072 + 3072*3072+3072).
+PARAMETERS = {
+    "flux-dev": 11_901_408_320,
+    "flux-schnell": 11_891_178_560,
+    "sd3.5-large": 8_056_627_520,
+    "sd3.5-medium": 2_243_171_520,
+    "sdxl-base": 2_567_463_684,
+    "sd1.5": 859_520_964,
+    "tiny-flux": 78_544,
+    "tiny-sd3": 88_320,
+    "tiny-sdxl": 1_012_324,
+}
+TINY = ["tiny-flux", "tiny-sd3", "tiny-sdxl"]
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    """Tiny models gain nothing from intra-op threads, and OpenMP's spinning threads made the
+    tiny-sdxl forward take 1.5 s instead of 20 ms (measured on the 2-vCPU dev machine, 2026-11-22)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def spec_of(name_or_path: str | Path, **fields: str) -> ModelSpec:
+    return resolve_model(ModelConfig(name_or_path=str(name_or_path), **fields))
+
+
+def catalog_entry(name: str) -> dict:
+    return json.loads((CATALOG_DIR / f"{name}.json").read_text())
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def tiny_inputs(spec: ModelSpec, batch: int = 2) -> dict:
+    """One real forward's inputs for a tiny denoiser, on 16x16 latents."""
+    config, side = spec.config, 16
+    t = torch.rand(batch)
+    if spec.family == "flux":
+        tokens, text = (side // 2) ** 2, 8
+        return {
+            "hidden_states": torch.randn(batch, tokens, config["in_channels"]),
+            "encoder_hidden_states": torch.randn(batch, text, config["joint_attention_dim"]),
+            "pooled_projections": torch.randn(batch, config["pooled_projection_dim"]),
+            "timestep": t,
+            "img_ids": torch.zeros(tokens, 3),
+            "txt_ids": torch.zeros(text, 3),
+            "guidance": torch.full((batch,), 3.5),
+        }
+    if spec.family == "sd3":
+        return {
+            "hidden_states": torch.randn(batch, config["in_channels"], side, side),
+            "encoder_hidden_states": torch.randn(batch, 8, config["joint_attention_dim"]),
+            "pooled_projections": torch.randn(batch, config["pooled_projection_dim"]),
+            "timestep": t * 1000,
+        }
+    time_ids_dim = 6  # SDXL's (original size, crop top-left, target size)
+    text_embeds = config["projection_class_embeddings_input_dim"] - time_ids_dim * config["addition_time_embed_dim"]
+    return {
+        "sample": torch.randn(batch, config["in_channels"], side, side),
+        "timestep": t * 1000,
+        "encoder_hidden_states": torch.randn(batch, 8, config["cross_attention_dim"]),
+        "added_cond_kwargs": {"text_embeds": torch.randn(batch, text_embeds), "time_ids": torch.rand(batch, 6)},
+    }
+
+
+def save_tiny_pipeline(name: str, folder: Path) -> ModelSpec:
+    """A diffusers-style folder with the tiny denoiser and VAE weights and a model_index.json."""
+    spec = spec_of(name)
+    torch.manual_seed(0)
+    spec.denoiser_class().from_config(spec.config).save_pretrained(folder / spec.subfolder)
+    diffusers.AutoencoderKL.from_config(catalog_entry(name)["vae_config"]).save_pretrained(folder / "vae")
+    index = {
+        "_class_name": "TestPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        spec.subfolder: ["diffusers", spec.class_name],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return spec
+
+
+def test_catalog_names_cover_every_architecture():
+    assert catalog_names() == sorted(PARAMETERS)
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_catalog_entry_builds_on_meta_with_published_parameter_count(name):
+    spec = spec_of(name)
+    assert spec.source == "catalog" and spec.name == name
+    assert spec.family == FAMILIES[spec.class_name] == FAMILIES[spec.config["_class_name"]]
+    with torch.device("meta"):
+        model = spec.denoiser_class().from_config(spec.config)
+    assert type(model).__name__ == spec.class_name
+    assert count_parameters(model) == PARAMETERS[name]
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_catalog_vae_facts_agree_with_denoiser(name, tmp_path):
+    """The latent channels a bare denoiser config implies equal the catalog's VAE facts; for the
+    published models the family defaults equal them too."""
+    spec = spec_of(name)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(spec.config))
+    derived = spec_of(path)
+    assert derived.latent_channels == spec.latent_channels
+    if not name.startswith("tiny-"):
+        assert spec.pretrained is not None and "/" in spec.pretrained
+        assert (derived.vae_scale_factor, derived.vae_scaling_factor, derived.vae_shift_factor) == (
+            spec.vae_scale_factor, spec.vae_scaling_factor, spec.vae_shift_factor
+        )
+
+
+def test_resolved_config_is_a_private_copy():
+    spec_of("tiny-flux").config["num_layers"] = 99
+    assert spec_of("tiny-flux").config["num_layers"] == 1
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_denoiser_runs_forward_on_cpu(name):
+    spec = spec_of(name)
+    torch.manual_seed(0)
+    model = spec.denoiser_class().from_config(spec.config).eval()
+    inputs = tiny_inputs(spec)
+    with torch.no_grad():
+        out = model(**inputs, return_dict=False)[0]
+    expected = inputs["hidden_states"] if "hidden_states" in inputs else inputs["sample"]
+    assert out.shape == expected.shape
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_vae_config_matches_vae_facts(name):
+    entry, spec = catalog_entry(name), spec_of(name)
+    vae = diffusers.AutoencoderKL.from_config(entry["vae_config"]).eval()
+    assert spec.vae_scaling_factor == vae.config.scaling_factor
+    assert spec.vae_shift_factor == vae.config.shift_factor
+    with torch.no_grad():
+        latents = vae.encode(torch.randn(1, 3, 16, 16)).latent_dist.mode()
+    assert latents.shape == (1, spec.latent_channels, 16 // spec.vae_scale_factor, 16 // spec.vae_scale_factor)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_saved_folder_resolves_from_model_index(name, tmp_path):
+    saved = save_tiny_pipeline(name, tmp_path)
+    spec = spec_of(tmp_path)
+    assert spec.source == f"folder {tmp_path}"
+    assert (spec.pretrained, spec.subfolder) == (str(tmp_path), saved.subfolder)
+    assert (spec.family, spec.class_name) == (saved.family, saved.class_name)
+    assert (spec.vae_scale_factor, spec.latent_channels) == (saved.vae_scale_factor, saved.latent_channels)
+    assert (spec.vae_scaling_factor, spec.vae_shift_factor) == (saved.vae_scaling_factor, saved.vae_shift_factor)
+    for key, value in saved.config.items():
+        if not key.startswith("_"):
+            assert spec.config[key] == value, key
+    # What resolution finds is what from_pretrained loads.
+    model = spec.denoiser_class().from_pretrained(spec.pretrained, subfolder=spec.subfolder)
+    assert count_parameters(model) == PARAMETERS[name]
+
+
+def test_denoiser_folder_and_its_config_json_resolve(tmp_path):
+    save_tiny_pipeline("tiny-sd3", tmp_path)
+    folder_spec = spec_of(tmp_path / "transformer")
+    assert (folder_spec.pretrained, folder_spec.subfolder) == (str(tmp_path / "transformer"), None)
+    file_spec = spec_of(tmp_path / "transformer" / "config.json")
+    assert file_spec.source == f"config.json {tmp_path / 'transformer' / 'config.json'}"
+    assert file_spec.pretrained is None and file_spec.subfolder is None
+    for spec in (folder_spec, file_spec):  # the sibling vae/config.json supplies the VAE facts
+        assert (spec.family, spec.vae_scale_factor, spec.latent_channels) == ("sd3", 2, 16)
+
+
+def test_bare_config_json_uses_family_defaults(tmp_path):
+    path = tmp_path / "flux.json"
+    path.write_text(json.dumps(catalog_entry("tiny-flux")["denoiser"]))
+    spec = spec_of(path)
+    assert (spec.family, spec.class_name, spec.pretrained) == ("flux", "FluxTransformer2DModel", None)
+    assert (spec.vae_scale_factor, spec.latent_channels) == (8, 4)  # in_channels 16 = 4 x 2x2 packing
+    assert (spec.vae_scaling_factor, spec.vae_shift_factor) == (0.3611, 0.1159)
+
+
+def test_explicit_subfolder_wins_over_model_index(tmp_path):
+    save_tiny_pipeline("tiny-sdxl", tmp_path)
+    (tmp_path / "unet").rename(tmp_path / "unet_ema")
+    assert spec_of(tmp_path, subfolder="unet_ema").subfolder == "unet_ema"
+    with pytest.raises(ZerotrainError, match="model.subfolder"):
+        spec_of(tmp_path)
+
+
+def one_line_error(name_or_path: str | Path, match: str, **fields: str) -> str:
+    with pytest.raises(ZerotrainError, match=match) as info:
+        spec_of(name_or_path, **fields)
+    message = str(info.value)
+    assert "\n" not in message and "model." in message
+    return message
+
+
+def test_unknown_name_lists_catalog_and_other_forms():
+    message = one_line_error("flux-pro", "no catalog entry")
+    assert all(name in message for name in catalog_names())
+    assert "config.json" in message and "hub id" in message
+
+
+def test_malformed_config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"_class_name": "FluxTransformer2DModel",')
+    assert str(path) in one_line_error(path, "not valid JSON")
+
+
+def test_unsupported_class(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"_class_name": "PixArtTransformer2DModel"}))
+    message = one_line_error(path, "PixArtTransformer2DModel")
+    assert all(name in message for name in FAMILIES)
+
+
+def test_missing_class_name(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"in_channels": 16}))
+    one_line_error(path, "no _class_name")
+
+
+def test_folder_without_configs(tmp_path):
+    one_line_error(tmp_path, "neither model_index.json nor config.json")
+
+
+def test_vae_that_does_not_fit_the_denoiser(tmp_path):
+    save_tiny_pipeline("tiny-flux", tmp_path)
+    vae_config = json.loads((tmp_path / "vae" / "config.json").read_text())
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({**vae_config, "latent_channels": 16}))
+    one_line_error(tmp_path, "latent_channels 16")
+
+
+def test_hub_id_offline_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable at import; its functions consult these constants.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    message = one_line_error("zerotrain-tests/no-such-model", "could not reach the Hugging Face hub")
+    assert "local diffusers folder or config.json" in message

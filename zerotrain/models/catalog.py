@@ -1,0 +1,353 @@
+"""Which denoiser a run trains: catalog names, local diffusers folders, bare config.json files and hub
+ids all resolve to one `ModelSpec` (class, config and the VAE facts that shape the latents).
+
+The catalog (``catalog/*.json``) holds the published diffusers configs of each architecture and no
+weights, so the planner can build any of them on the meta device offline.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from zerotrain.config.sections import ModelConfig
+from zerotrain.errors import ZerotrainError
+
+FAMILIES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "UNet2DConditionModel": "unet"}
+
+_CATALOG_DIR = Path(__file__).with_name("catalog")
+_FIELD = "model.name_or_path"
+_SUPPORTED = ", ".join(FAMILIES)
+# owner/name as the hub spells repo ids: one slash, no leading dot or dash.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# Where a diffusers pipeline folder keeps its denoiser, in order of preference.
+_DENOISER_SUBFOLDERS = ("transformer", "unet")
+
+# The denoisers' own defaults for in_channels (diffusers' __init__ signatures), used when a config
+# leaves the field out.
+_DEFAULT_IN_CHANNELS = {"flux": 64, "sd3": 16, "unet": 4}
+# AutoencoderKL's defaults, used when a vae/config.json leaves a field out.
+_AUTOENCODER_DEFAULTS = {"block_out_channels": [64], "latent_channels": 4, "scaling_factor": 0.18215}
+# The published VAE of each family, assumed when only a denoiser config is given:
+# FLUX.1 ae (black-forest-labs/FLUX.1-dev vae/config.json): scaling 0.3611, shift 0.1159;
+# SD3/3.5 (stabilityai/stable-diffusion-3.5-large vae/config.json): scaling 1.5305, shift 0.0609;
+# SDXL (stable-diffusion-xl-base-1.0 vae): 0.13025; SD1.x/2.x: 0.18215. All downsample 8x.
+_FAMILY_VAE_SCALE_FACTOR = 8
+_FAMILY_VAE_SCALING = {"flux": (0.3611, 0.1159), "sd3": (1.5305, 0.0609)}
+_SDXL_VAE_SCALING = (0.13025, None)
+_SD1_VAE_SCALING = (0.18215, None)
+# Flux packs each 2x2 patch of latents into channels before the transformer, so in_channels is
+# 4 x the VAE's latent channels (64 = 4 x 16 for FLUX.1).
+_FLUX_PACKING = 4
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved denoiser: enough to build it on the meta device and to shape its latents."""
+
+    name: str
+    """What the user gave: a catalog name, a path or a hub id."""
+    family: str
+    """flux, sd3 or unet: selects conditioning, objective and LoRA targets."""
+    class_name: str
+    """The diffusers class of the denoiser."""
+    config: dict[str, Any]
+    """The denoiser's diffusers config, with _class_name."""
+    vae_scale_factor: int
+    """Pixels per latent cell along each side."""
+    latent_channels: int
+    """Channels of the VAE latents (before Flux's 2x2 packing)."""
+    vae_scaling_factor: float | None
+    """Latents are (z - shift) * scaling before the denoiser sees them."""
+    vae_shift_factor: float | None
+    """See vae_scaling_factor; None means no shift."""
+    source: str
+    """Where the config came from: catalog, config.json <path>, folder <path> or hub <id>."""
+    pretrained: str | None
+    """Where weights come from: a hub id or a local folder; None for a bare config.json."""
+    subfolder: str | None
+    """Subfolder of `pretrained` (or of a saved pipeline folder) that holds the denoiser."""
+
+    def denoiser_class(self) -> type:
+        """The diffusers class itself (imported lazily: diffusers takes seconds to import)."""
+        import diffusers
+
+        return getattr(diffusers, self.class_name)
+
+
+def catalog_names() -> list[str]:
+    """Names accepted as model.name_or_path without any file or network access."""
+    return sorted(path.stem for path in _CATALOG_DIR.glob("*.json"))
+
+
+def resolve_model(config: ModelConfig) -> ModelSpec:
+    """Resolve model.name_or_path: a catalog name, a diffusers config.json, a local diffusers model
+    folder, or a hub id (owner/name). Raises ZerotrainError with one line on any bad input."""
+    name = config.name_or_path
+    if name in catalog_names():
+        return _from_catalog(name)
+    path = Path(name).expanduser()
+    if path.is_file():
+        return _from_config_file(name, path)
+    if path.is_dir():
+        return _from_folder(name, path, config.subfolder)
+    if _HUB_ID.match(name) and not name.endswith(".json"):
+        return _from_hub(name, config.subfolder, config.revision)
+    raise ZerotrainError(
+        f"{_FIELD}='{name}': no catalog entry, file or folder of that name; use one of "
+        f"{', '.join(catalog_names())}, a diffusers config.json, a local diffusers model folder, "
+        "or a hub id like black-forest-labs/FLUX.1-dev"
+    )
+
+
+@cache
+def _catalog_entry(name: str) -> dict[str, Any]:
+    return json.loads((_CATALOG_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def _from_catalog(name: str) -> ModelSpec:
+    entry = _catalog_entry(name)
+    denoiser = json.loads(json.dumps(entry["denoiser"]))  # a private copy: callers may edit it
+    vae = entry["vae"]
+    return ModelSpec(
+        name=name,
+        family=FAMILIES[denoiser["_class_name"]],
+        class_name=denoiser["_class_name"],
+        config=denoiser,
+        vae_scale_factor=vae["scale_factor"],
+        latent_channels=vae["latent_channels"],
+        vae_scaling_factor=vae["scaling_factor"],
+        vae_shift_factor=vae["shift_factor"],
+        source="catalog",
+        pretrained=entry["hub_id"],
+        subfolder=entry["subfolder"],
+    )
+
+
+def _from_config_file(name: str, path: Path) -> ModelSpec:
+    """A bare denoiser config.json; a sibling ../vae/config.json supplies the VAE facts if present."""
+    vae_path = path.parent.parent / "vae" / "config.json"
+    return _spec(
+        name,
+        denoiser_path=path,
+        vae_path=vae_path if vae_path.is_file() else None,
+        source=f"config.json {path}",
+        pretrained=None,
+        subfolder=None,
+    )
+
+
+def _from_folder(name: str, folder: Path, subfolder: str | None) -> ModelSpec:
+    """A diffusers pipeline folder (model_index.json), or a folder that holds a denoiser config.json."""
+    index_path = folder / "model_index.json"
+    if subfolder is None and index_path.is_file():
+        subfolder = _denoiser_component(_read_json(index_path), index_path)
+    if subfolder is not None:
+        denoiser_path = folder / subfolder / "config.json"
+        if not denoiser_path.is_file():
+            raise ZerotrainError(
+                f"{_FIELD}='{name}': {denoiser_path} not found; set model.subfolder to the folder that "
+                "holds the denoiser (transformer or unet)"
+            )
+        vae_path = folder / "vae" / "config.json"
+        pretrained, sub = folder, subfolder
+    elif (folder / "config.json").is_file():
+        denoiser_path = folder / "config.json"
+        vae_path = folder.parent / "vae" / "config.json"
+        pretrained, sub = folder, None
+    else:
+        raise ZerotrainError(
+            f"{_FIELD}='{name}': {folder} holds neither model_index.json nor config.json; point to a "
+            "diffusers model folder (as written by save_pretrained) or to its denoiser's config.json"
+        )
+    return _spec(
+        name,
+        denoiser_path=denoiser_path,
+        vae_path=vae_path if vae_path.is_file() else None,
+        source=f"folder {folder}",
+        pretrained=str(pretrained),
+        subfolder=sub,
+    )
+
+
+def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> ModelSpec:
+    """Fetch only the small JSON files (model_index, denoiser and VAE configs), never weights."""
+    if subfolder is None:
+        index_path = _hub_file(repo_id, "model_index.json", revision)
+        if index_path is not None:
+            subfolder = _denoiser_component(_read_json(index_path), f"{repo_id}/model_index.json")
+    denoiser_file = f"{subfolder}/config.json" if subfolder else "config.json"
+    denoiser_path = _hub_file(repo_id, denoiser_file, revision)
+    if denoiser_path is None:
+        raise ZerotrainError(
+            f"{_FIELD}='{repo_id}': the hub repo has no {denoiser_file}; set model.subfolder to the "
+            "folder that holds the denoiser, or pass a local folder or config.json instead"
+        )
+    vae_path = _hub_file(repo_id, "vae/config.json", revision) if subfolder else None
+    return _spec(
+        repo_id,
+        denoiser_path=denoiser_path,
+        vae_path=vae_path,
+        source=f"hub {repo_id}" + (f"@{revision}" if revision else ""),
+        pretrained=repo_id,
+        subfolder=subfolder,
+    )
+
+
+def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path | None:
+    """Download one file of a hub repo into the hub cache; None when the repo has no such file."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{_FIELD}='{repo_id}'"
+    instead = "or pass a local diffusers folder or config.json instead"
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+    except RemoteEntryNotFoundError:
+        return None
+    except GatedRepoError as err:
+        raise ZerotrainError(
+            f"{where}: the hub repo is gated; accept its license on huggingface.co and log in "
+            f"(hf auth login), {instead}"
+        ) from err
+    except RepositoryNotFoundError as err:
+        raise ZerotrainError(
+            f"{where}: no such hub repo (or it is private); check the id and your login, {instead}"
+        ) from err
+    except RevisionNotFoundError as err:
+        raise ZerotrainError(
+            f"model.revision='{revision}': no such revision of hub repo {repo_id}; fix model.revision, {instead}"
+        ) from err
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError) as err:
+        raise ZerotrainError(
+            f"{where}: could not reach the Hugging Face hub for {filename} (offline, or no network) and "
+            f"it is not in the local hub cache; connect and retry, {instead}"
+        ) from err
+    except HFValidationError as err:
+        raise ZerotrainError(f"{where}: not a valid hub id ({_one_line(err)}); {instead}") from err
+    except HfHubHTTPError as err:
+        raise ZerotrainError(f"{where}: the hub answered {_one_line(err)}; {instead}") from err
+
+
+def _denoiser_component(index: dict[str, Any], where: Path | str) -> str:
+    """The model_index.json component that holds a supported denoiser."""
+    components = {
+        key: value[1]
+        for key, value in index.items()
+        if not key.startswith("_") and isinstance(value, list) and len(value) == 2
+    }
+    found = [key for key, class_name in components.items() if class_name in FAMILIES]
+    for key in _DENOISER_SUBFOLDERS:
+        if key in found:
+            return key
+    if len(found) == 1:
+        return found[0]
+    listed = ", ".join(f"{key} ({cls})" for key, cls in components.items()) or "none"
+    if found:
+        raise ZerotrainError(
+            f"{_FIELD}: {where} lists several denoisers ({', '.join(found)}); set model.subfolder to one"
+        )
+    raise ZerotrainError(
+        f"{_FIELD}: {where} has no denoiser zerotrain supports among its components ({listed}); "
+        f"supported: {_SUPPORTED}, or set model.subfolder"
+    )
+
+
+def _spec(
+    name: str,
+    *,
+    denoiser_path: Path,
+    vae_path: Path | None,
+    source: str,
+    pretrained: str | None,
+    subfolder: str | None,
+) -> ModelSpec:
+    config = _read_json(denoiser_path)
+    class_name = config.get("_class_name")
+    if class_name is None:
+        raise ZerotrainError(
+            f"{_FIELD}: {denoiser_path} has no _class_name; it must be a diffusers model config.json, "
+            "such as transformer/config.json or unet/config.json of a diffusers model folder"
+        )
+    if class_name not in FAMILIES:
+        raise ZerotrainError(
+            f"{_FIELD}: {denoiser_path} has _class_name '{class_name}', which zerotrain does not "
+            f"support; supported: {_SUPPORTED}"
+        )
+    family = FAMILIES[class_name]
+    latent_channels = _denoiser_latent_channels(family, config, denoiser_path)
+    if vae_path is None:
+        scale_factor = _FAMILY_VAE_SCALE_FACTOR
+        scaling, shift = _family_vae_scaling(family, config)
+    else:
+        vae = {**_AUTOENCODER_DEFAULTS, **_read_json(vae_path)}
+        scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        scaling, shift = vae["scaling_factor"], vae.get("shift_factor")
+        if vae["latent_channels"] != latent_channels:
+            raise ZerotrainError(
+                f"{_FIELD}: {vae_path} has latent_channels {vae['latent_channels']} but the denoiser "
+                f"{denoiser_path} expects {latent_channels}; the folder mixes models of different families"
+            )
+    return ModelSpec(
+        name=name,
+        family=family,
+        class_name=class_name,
+        config=config,
+        vae_scale_factor=scale_factor,
+        latent_channels=latent_channels,
+        vae_scaling_factor=scaling,
+        vae_shift_factor=shift,
+        source=source,
+        pretrained=pretrained,
+        subfolder=subfolder,
+    )
+
+
+def _denoiser_latent_channels(family: str, config: dict[str, Any], where: Path) -> int:
+    """Latent channels the denoiser predicts. out_channels, not in_channels: inpainting variants
+    feed extra mask/image channels in, but always predict the VAE latent."""
+    channels = config.get("out_channels") or config.get("in_channels") or _DEFAULT_IN_CHANNELS[family]
+    if family != "flux":
+        return channels
+    if channels % _FLUX_PACKING:
+        raise ZerotrainError(
+            f"{_FIELD}: {where} has {channels} output channels; Flux packs 2x2 latent patches, so it must "
+            "be a multiple of 4"
+        )
+    return channels // _FLUX_PACKING
+
+
+def _family_vae_scaling(family: str, config: dict[str, Any]) -> tuple[float, float | None]:
+    if family in _FAMILY_VAE_SCALING:
+        return _FAMILY_VAE_SCALING[family]
+    # Only SDXL-style UNets condition on (size, crop) time ids through text_time embeddings.
+    return _SDXL_VAE_SCALING if config.get("addition_embed_type") == "text_time" else _SD1_VAE_SCALING
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ZerotrainError(f"{_FIELD}: {path} is not valid JSON ({err}); fix or replace the file") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ZerotrainError(f"{_FIELD}: cannot read {path} ({_one_line(err)})") from err
+    if not isinstance(data, dict):
+        raise ZerotrainError(f"{_FIELD}: {path} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__

@@ -1,0 +1,1 @@
+"""The memory planner: measured model facts, byte formulas, search, DeepSpeed JSON."""
