@@ -36,16 +36,6 @@ PARAMETERS = {
 TINY = ["tiny-flux", "tiny-sd3", "tiny-sdxl"]
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    """Tiny models gain nothing from intra-op threads, and OpenMP's spinning threads made the
-    tiny-sdxl forward take 1.5 s instead of 20 ms (measured on the 2-vCPU dev machine, 2026-11-22)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def spec_of(name_or_path: str | Path, **fields: str) -> ModelSpec:
     return resolve_model(ModelConfig(name_or_path=str(name_or_path), **fields))
 

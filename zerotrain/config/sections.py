@@ -17,7 +17,7 @@ _BYTE_UNITS = {
 }
 
 
-def parse_bytes(text: str | int | float) -> int:
+def parse_bytes(text: str | float) -> int:
     """'48GiB' -> 51539607552, '80GB' -> 80e9, 1024 -> 1024. Raises ValueError with the input."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text <= 0:
@@ -184,6 +184,12 @@ class PlannerConfig(_Section):
     """ZeRO-3 keeps parameters smaller than this (elements) gathered on every GPU."""
     sub_group_size: int = Field(1_000_000_000, ge=1)
     """ZeRO-3 optimizer sub-group, in elements: bounds the fp32 gradient copy at the step."""
+    cpu_adam_params_per_second: float = Field(2.0e9, gt=0)
+    """Parameters DeepSpeedCPUAdam updates per second per node, shared by the node's ranks. An
+    order-of-magnitude figure for a modern 2-socket server (CPU Adam is 5-7x torch's CPU Adam,
+    FIELD_NOTES); calibrate on your nodes."""
+    nvme_bandwidth: float = Field(3.0e9, gt=0)
+    """Bytes/s one node reads or writes its NVMe offload folder (a PCIe 4 NVMe drive)."""
     cache_dir: Path | None = None
     """Where measured model facts are cached; ~/.cache/zerotrain/facts when not given."""
 

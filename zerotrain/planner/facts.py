@@ -32,10 +32,16 @@ from torch.utils.flop_counter import flop_registry
 
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.models.catalog import ModelSpec
-from zerotrain.models.families import DEFAULT_TEXT_TOKENS, LORA_TARGETS, check_resolution, example_inputs, image_tokens
+from zerotrain.models.families import (
+    DEFAULT_TEXT_TOKENS,
+    LORA_TARGETS,
+    check_resolution,
+    example_inputs,
+    image_tokens,
+)
 
 # Bump when the measurement changes, so cached facts from older code are not reused.
-FACTS_VERSION = 1
+FACTS_VERSION = 2
 BF16 = 2  # bytes per bf16 element
 
 # optimum-quanto's weight formats: bytes per weight element, and how scales are laid out.
@@ -86,6 +92,8 @@ class ModelFacts:
     largest_layer_params: int
     """Most parameters held directly by one module (DeepSpeed's definition in model_to_params)."""
     block_params: dict[str, int]
+    param_numels: list[int]
+    """Size of every parameter, for ZeRO-3's persistence threshold."""
     image_tokens: int
     text_tokens: int
     input_bytes: int
@@ -129,7 +137,7 @@ class FlashAccountedAttention(torch.autograd.Function):
     real tensors it computes the true result (math attention without keeping the score matrix)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, scale, accountant):  # noqa: D102
+    def forward(ctx, query, key, value, attn_mask, scale, accountant):
         batch_heads = math.prod(query.shape[:-2])
         accountant.flops += 4.0 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1]
         out_shape = (*query.shape[:-1], value.shape[-1])
@@ -149,7 +157,7 @@ class FlashAccountedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: D102
+    def backward(ctx, grad_out):
         query, key, value, _out, _lse = ctx.saved_tensors
         batch_heads = math.prod(query.shape[:-2])
         ctx.accountant.flops += 8.0 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1]
@@ -495,6 +503,7 @@ def measure_model(spec: ModelSpec, run: RunConfig, cache: bool = True) -> ModelF
         frozen_bytes=frozen_storage_bytes(model, quantize),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         largest_layer_params=largest, block_params=block_params(model),
+        param_numels=sorted(p.numel() for p in params),
         image_tokens=image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
         no_checkpointing=no_gc, checkpointing=gc, trace_seconds=round(time.perf_counter() - start, 3),
     )

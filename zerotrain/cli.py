@@ -1,0 +1,117 @@
+"""`zerotrain plan`: the memory-plan dry run. Other commands arrive with their issues.
+
+Bad input prints one line (what, where, what to do) and exits 2; --debug shows the traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from zerotrain.config import RunConfig, load_config
+from zerotrain.errors import ZerotrainError
+
+# Flags that are shorthands for config fields: flag -> dotted field.
+PLAN_FLAGS = {
+    "model": "model.name_or_path",
+    "resolution": "data.resolution",
+    "gpus": "hardware.gpus",
+    "nodes": "hardware.nodes",
+    "gpu_memory": "hardware.gpu_memory",
+    "host_memory": "hardware.host_memory",
+    "nvme_path": "hardware.nvme_path",
+    "mode": "training.mode",
+    "lora_rank": "training.lora.rank",
+    "quantize": "training.quantize_base",
+    "global_batch": "training.global_batch_size",
+    "micro_batch": "training.micro_batch_size",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerotrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("plan", help="plan memory and write a DeepSpeed config, without a GPU")
+    p.add_argument("--config", type=Path, help="run config (YAML, JSON or TOML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set training.lora.rank=32 (repeatable)")
+    p.add_argument("--model", help="catalog name, diffusers config.json, model folder or hub id")
+    p.add_argument("--resolution", type=int, help="training resolution in pixels (default 1024)")
+    p.add_argument("--gpus", help="auto, a profile like 8xA100-80GB, or a count with --gpu-memory")
+    p.add_argument("--nodes", type=int, help="number of nodes")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 48GiB")
+    p.add_argument("--host-memory", help="host RAM per node, e.g. 512GiB")
+    p.add_argument("--nvme-path", help="NVMe folder for ZeRO-Infinity offload")
+    p.add_argument("--mode", choices=["full", "lora"], help="full fine-tune or LoRA")
+    p.add_argument("--lora-rank", type=int, help="LoRA rank")
+    p.add_argument("--quantize", choices=["none", "qint8", "qfloat8", "qint4"], help="quantize the frozen base")
+    p.add_argument("--global-batch", type=int, help="images per optimizer step across all GPUs")
+    p.add_argument("--micro-batch", help="images per GPU per forward, or auto")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--write-config", type=Path, metavar="PATH", help="write the chosen DeepSpeed JSON here")
+    p.add_argument("--no-cache", action="store_true", help="measure the model again instead of using cached facts")
+    p.add_argument("--all", action="store_true", help="list every candidate, not the best per layout")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    overrides = [f"{field}={getattr(args, flag)}" for flag, field in PLAN_FLAGS.items()
+                 if getattr(args, flag, None) is not None]
+    return load_config(args.config, [*overrides, *args.overrides])
+
+
+def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
+    from zerotrain.hardware import hardware_facts
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.deepspeed_json import deepspeed_config, validate, write_config
+    from zerotrain.planner.facts import measure_model
+    from zerotrain.planner.report import print_plan, suggestions
+
+    start = time.perf_counter()
+    run = config_from_args(args)
+    hw = hardware_facts(run.hardware)
+    spec = resolve_model(run.model)
+    facts = measure_model(spec, run, cache=not args.no_cache)
+    from zerotrain.planner.search import plan
+
+    result = plan(facts, hw, run)
+    if result.chosen is None:
+        result.suggestions = suggestions(spec, facts, hw, run)
+    config = None
+    if result.chosen is not None:
+        config = deepspeed_config(result.chosen.layout, run, hw.world_size)
+        validate(config)
+        if args.write_config:
+            command = "zerotrain " + " ".join(shlex.quote(a) for a in argv)
+            write_config(config, args.write_config, {"command": command, "plan": result.reasons})
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"plan": result.to_json(), "deepspeed_config": config,
+                          "facts_cached": facts.cached, "seconds": round(elapsed, 2)}, indent=2, default=str))
+    else:
+        print_plan(result, facts, show_all=args.all, seconds=elapsed)
+        if args.write_config and config is not None:
+            print(f"DeepSpeed config written to {args.write_config}")
+    return 0 if result.chosen is not None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return run_plan(args, argv)
+    except ZerotrainError as err:
+        if args.debug:
+            raise
+        print(f"zerotrain: error: {err}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

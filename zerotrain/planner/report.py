@@ -1,0 +1,121 @@
+"""How a plan is shown to a person (rich tables), and what to try when nothing fits."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from zerotrain.config.sections import Mode, Quantization, RunConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.hardware import HardwareFacts
+from zerotrain.models.catalog import ModelSpec
+from zerotrain.planner.facts import ModelFacts, measure_model
+from zerotrain.planner.search import Candidate, Plan, gib, plan, suggest_gpu_memory, suggest_more_gpus
+
+# Largest terms shown inline per candidate row.
+TOP_TERMS = 3
+
+
+def best_per_layout(candidates: list[Candidate]) -> list[Candidate]:
+    """One row per (stage, offload, checkpointing): its fastest fitting micro-batch, or its
+    smallest one when none fits."""
+    best: dict[tuple, Candidate] = {}
+    for c in candidates:
+        key = (c.layout.stage, c.layout.offload_optimizer, c.layout.offload_param, c.layout.gradient_checkpointing)
+        current = best.get(key)
+        rank = (c.fits, c.images_per_second if c.fits else -c.memory.device_total)
+        if current is None or rank > (current.fits, current.images_per_second if current.fits
+                                      else -current.memory.device_total):
+            best[key] = c
+    return sorted(best.values(), key=lambda c: (not c.fits, -c.images_per_second, c.memory.device_total))
+
+
+def print_plan(p: Plan, facts: ModelFacts, show_all: bool = False, seconds: float = 0.0,
+               console: Console | None = None) -> None:
+    console = console or Console(soft_wrap=False, width=160)
+    title = (f"{p.model} at {p.resolution}px, {p.mode}"
+             f"{'' if p.quantize == 'none' else ' over ' + p.quantize}, global batch {p.global_batch} "
+             f"on {p.hardware}")
+    table = Table(title=title, title_justify="left")
+    for column in ("", "ZeRO / offload", "ckpt", "micro x accum", "GiB/GPU", "largest terms", "host GiB/node",
+                   "images/s", "verdict"):
+        table.add_column(column, justify="right" if column in ("GiB/GPU", "host GiB/node", "images/s") else "left")
+    rows = p.candidates if show_all else best_per_layout(p.candidates)
+    for c in rows:
+        terms = sorted(c.memory.terms.items(), key=lambda kv: -kv[1])[:TOP_TERMS]
+        table.add_row(
+            "*" if c is p.chosen else "", c.layout.label(), "yes" if c.layout.gradient_checkpointing else "no",
+            f"{c.layout.micro_batch} x {c.layout.accumulation}", f"{c.memory.device_total / 2**30:.1f}",
+            ", ".join(f"{k} {v / 2**30:.1f}" for k, v in terms), f"{c.memory.host_per_node / 2**30:.0f}",
+            f"{c.images_per_second:.2f}", "fits" if c.fits else c.rejected or "",
+            style="bold green" if c is p.chosen else ("dim" if not c.fits else None),
+        )
+    console.print(table)
+    shown = "" if show_all else f" (best micro-batch per layout; --all lists all {len(p.candidates)})"
+    console.print(f"{len(p.candidates)} candidates evaluated{shown}; facts "
+                  f"{'from cache' if facts.cached else f'measured in {facts.trace_seconds:.1f} s'}; "
+                  f"plan in {seconds:.1f} s")
+    if p.chosen is not None:
+        breakdown = Table(title=f"Chosen: per-GPU memory at its peak phase ({p.chosen.memory.peak_phase})",
+                          title_justify="left")
+        breakdown.add_column("term")
+        breakdown.add_column("GiB", justify="right")
+        for name, value in sorted(p.chosen.memory.terms.items(), key=lambda kv: -kv[1]):
+            breakdown.add_row(name, f"{value / 2**30:.2f}")
+        m = p.chosen.memory
+        breakdown.add_row("allocated", f"{m.allocated / 2**30:.2f}", style="bold")
+        breakdown.add_row("reserved (with fragmentation)", f"{m.reserved / 2**30:.2f}")
+        breakdown.add_row("device total (+ CUDA context, NCCL)", f"{m.device_total / 2**30:.2f}", style="bold")
+        console.print(breakdown)
+        console.print("Phases: " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in m.phases.items()) + " GiB allocated")
+    console.print("Reasons:")
+    for line in p.reasons:
+        console.print(f"  - {line}", highlight=False)
+    if p.suggestions:
+        console.print("What would make it fit:")
+        for line in p.suggestions:
+            console.print(f"  - {line}", highlight=False)
+
+
+def _fits_with(spec: ModelSpec, hw: HardwareFacts, run: RunConfig, overrides: dict) -> Plan | None:
+    """Plan again with some config sections changed; None if the change is itself invalid."""
+    data = run.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        data[section][key] = value
+    try:
+        trial = RunConfig.model_validate(data)
+        result = plan(measure_model(spec, trial), hw, trial)
+    except (ZerotrainError, ValueError):
+        return None
+    return result if result.chosen else None
+
+
+def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> list[str]:
+    """Concrete changes that would make the job fit, each checked by planning again."""
+    found = []
+    more = suggest_more_gpus(facts, hw, run)
+    if more:
+        found.append(f"more GPUs: {more}")
+    memory = suggest_gpu_memory(facts, hw, run)
+    if memory:
+        found.append(memory)
+    if "cpu" not in run.planner.offload:
+        if _fits_with(spec, hw, run, {"planner.offload": ["none", "cpu", "nvme"]}):
+            found.append("allow CPU offload: --set 'planner.offload=[none,cpu]'")
+    if run.training.mode is Mode.full:
+        if _fits_with(spec, hw, run, {"training.mode": "lora"}):
+            found.append(f"LoRA instead of a full fine-tune: --mode lora (rank {run.training.lora.rank})")
+        elif _fits_with(spec, hw, run, {"training.mode": "lora", "training.quantize_base": "qint8"}):
+            found.append("LoRA over a qint8-quantized base: --mode lora --quantize qint8")
+    elif run.training.quantize_base is Quantization.none:
+        for scheme in ("qint8", "qint4"):
+            if _fits_with(spec, hw, run, {"training.quantize_base": scheme}):
+                found.append(f"quantize the frozen base: --quantize {scheme}")
+                break
+    for resolution in (768, 512):
+        if resolution < run.data.resolution and _fits_with(spec, hw, run, {"data.resolution": resolution}):
+            found.append(f"a lower resolution: --resolution {resolution}")
+            break
+    return found or ["nothing zerotrain can change fits this model on this hardware; add nodes or GPUs "
+                     f"with more than {gib(hw.gpu_memory_bytes)}"]

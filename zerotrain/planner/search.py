@@ -1,0 +1,290 @@
+"""Search: enumerate ZeRO stage x offload x checkpointing x micro-batch, keep what fits, pick
+the fastest by a simple step-time model.
+
+plan() is a pure function of measured model facts, hardware facts and the run config. The
+step-time model: FLOPs at an assumed MFU, plus ring-collective traffic over the slowest link,
+plus host<->GPU offload transfers, CPU-Adam and NVMe time, with no overlap assumed. It ranks
+candidates; it is not a promise of seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerotrain.config.sections import Quantization, RunConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.hardware import HardwareFacts
+from zerotrain.planner.facts import ModelFacts
+from zerotrain.planner.memory import ADAM, FP32, LP, Buffers, Layout, MemoryEstimate, Sizes, estimate
+
+GiB = 2**30
+
+
+def gib(value: float) -> str:
+    return f"{value / GiB:.1f} GiB"
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    fits: bool
+    rejected: str | None
+    step_seconds: float
+    images_per_second: float
+    time_terms: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layout": dataclasses.asdict(self.layout), "fits": self.fits, "rejected": self.rejected,
+            "step_seconds": self.step_seconds, "images_per_second": self.images_per_second,
+            "time_terms": self.time_terms, "memory": dataclasses.asdict(self.memory),
+        }
+
+
+@dataclass
+class Plan:
+    model: str
+    resolution: int
+    mode: str
+    quantize: str
+    hardware: str
+    world_size: int
+    gpus_per_node: int
+    nodes: int
+    global_batch: int
+    gpu_budget_bytes: int
+    host_budget_bytes: int
+    nvme_budget_bytes: int | None
+    chosen: Candidate | None
+    candidates: list[Candidate]
+    reasons: list[str]
+    suggestions: list[str] = field(default_factory=list)
+    flops_per_sample: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("chosen", "candidates")}
+        data["chosen"] = self.chosen.to_json() if self.chosen else None
+        data["candidates"] = [c.to_json() for c in self.candidates]
+        return data
+
+
+def buffers_from(run: RunConfig) -> Buffers:
+    p = run.planner
+    return Buffers(
+        reduce_bucket_size=p.reduce_bucket_size, allgather_bucket_size=p.allgather_bucket_size,
+        overlap_comm=p.overlap_comm, stage3_prefetch_bucket_size=p.stage3_prefetch_bucket_size,
+        stage3_max_live_parameters=p.stage3_max_live_parameters, sub_group_size=p.sub_group_size,
+        cuda_context_bytes=p.cuda_context_bytes, nccl_workspace_bytes=p.nccl_workspace_bytes,
+        fragmentation=p.fragmentation,
+    )
+
+
+def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
+    threshold = run.planner.stage3_param_persistence_threshold
+    return Sizes(
+        trainable_params=facts.trainable_params, frozen_bytes=facts.frozen_bytes,
+        frozen_shardable=facts.quantize == Quantization.none.value,
+        largest_layer_params=facts.largest_layer_params, buffer_bytes=facts.buffer_bytes,
+        world_size=hw.world_size, gpus_per_node=hw.gpus_per_node,
+        persistent_params=sum(n for n in facts.param_numels if n <= threshold),
+        total_params=facts.total_params,
+    )
+
+
+def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layout]:
+    """Every configuration the search considers."""
+    allowed = set(run.planner.offload)
+    if hw.nvme_free_bytes is None:
+        allowed.discard("nvme")
+    offloads: dict[int, list[tuple[str, str]]] = {}
+    for stage in run.planner.stages:
+        options = [("none", "none")]
+        if stage > 0 and "cpu" in allowed:
+            options.append(("cpu", "none"))
+        if stage == 3:
+            options += [o for o in [("cpu", "cpu"), ("nvme", "none"), ("nvme", "nvme")]
+                        if o[0] in allowed and o[1] in allowed | {"none"}]
+        offloads[stage] = options
+    training = run.training
+    checkpointing = [False, True] if training.gradient_checkpointing == "auto" else [training.gradient_checkpointing]
+    if training.micro_batch_size == "auto":
+        micros = [m for m in range(1, min(per_rank_batch, run.planner.max_micro_batch) + 1) if per_rank_batch % m == 0]
+    else:
+        micros = [training.micro_batch_size]
+    return [
+        Layout(stage, opt, param, gc, micro, per_rank_batch // micro)
+        for stage, options in offloads.items() for opt, param in options
+        for gc in checkpointing for micro in micros
+    ]
+
+
+def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, run: RunConfig) -> dict[str, float]:
+    """Seconds per optimizer step, by term."""
+    samples = layout.micro_batch * layout.accumulation
+    compute = facts.activations(layout.gradient_checkpointing).flops * samples / (
+        hw.peak_bf16_flops * run.planner.assumed_mfu)
+    n = hw.world_size
+    ring = (n - 1) / n
+    # A ring collective moves (N-1)/N of the buffer per GPU; across nodes each GPU's share of
+    # the node's network link bounds it.
+    bandwidth = hw.intra_node_bandwidth if hw.nodes == 1 else min(
+        hw.intra_node_bandwidth, hw.inter_node_bandwidth / hw.gpus_per_node)
+    grads = LP * s.trainable_params
+    shardable = grads + (s.frozen_bytes if s.frozen_shardable else 0)
+    if layout.stage <= 1:
+        traffic = 2 * ring * grads  # one all-reduce at the accumulation boundary
+    elif layout.stage == 2:
+        traffic = ring * grads * layout.accumulation  # reduce-scatter every micro-step
+    else:
+        gathers = 3 if layout.gradient_checkpointing else 2  # forward, backward, recompute
+        traffic = ring * (gathers * shardable + grads) * layout.accumulation
+    if layout.stage in (1, 2):
+        traffic += ring * grads  # all-gather of the updated partitions
+    terms = {"compute": compute, "communication": traffic / bandwidth if n > 1 else 0.0}
+    per_rank = s.trainable_params / n
+    if layout.offload_optimizer != "none":
+        # gradients down every micro-step, updated bf16 parameters up once per step
+        terms["offload transfers"] = LP * per_rank * (layout.accumulation + 1) / hw.host_to_device_bandwidth
+        terms["cpu adam"] = per_rank * hw.gpus_per_node / run.planner.cpu_adam_params_per_second
+    if layout.offload_param != "none":
+        moves = 3 if layout.gradient_checkpointing else 2
+        terms["param transfers"] = moves * shardable / n * layout.accumulation / hw.host_to_device_bandwidth
+    swapped = 0.0
+    if layout.offload_optimizer == "nvme":
+        swapped += 2 * (FP32 + ADAM + FP32) * per_rank  # read and write back each step
+    if layout.offload_param == "nvme":
+        swapped += 2 * shardable / n * layout.accumulation
+    if swapped:
+        terms["nvme"] = swapped * hw.gpus_per_node / run.planner.nvme_bandwidth
+    return terms
+
+
+def budgets(hw: HardwareFacts, run: RunConfig) -> tuple[int, int, int | None]:
+    headroom = 1 - run.planner.headroom
+    gpu = hw.gpu_memory_bytes if hw.gpu_free_bytes is None else min(hw.gpu_memory_bytes, hw.gpu_free_bytes)
+    nvme = None if hw.nvme_free_bytes is None else int(hw.nvme_free_bytes * headroom)
+    return int(gpu * headroom), int(hw.host_memory_bytes * headroom), nvme
+
+
+def evaluate(layout: Layout, facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Candidate:
+    s = sizes_from(facts, hw, run)
+    acts = facts.activations(layout.gradient_checkpointing)
+    memory = estimate(layout, s, buffers_from(run), acts.peak_bytes * layout.micro_batch,
+                      facts.input_bytes * layout.micro_batch)
+    gpu_budget, host_budget, nvme_budget = budgets(hw, run)
+    rejected = None
+    if memory.device_total > gpu_budget:
+        rejected = f"needs {gib(memory.device_total)} per GPU > {gib(gpu_budget)} budget"
+    elif memory.host_per_node > host_budget:
+        rejected = f"needs {gib(memory.host_per_node)} host RAM per node > {gib(host_budget)}"
+    elif memory.nvme_per_node and (nvme_budget is None or memory.nvme_per_node > nvme_budget):
+        rejected = f"needs {gib(memory.nvme_per_node)} NVMe per node > {gib(nvme_budget or 0)}"
+    terms = step_time(layout, facts, hw, s, run)
+    seconds = sum(terms.values())
+    images = layout.micro_batch * layout.accumulation * hw.world_size / seconds
+    return Candidate(layout, memory, rejected is None, rejected, seconds, images, terms)
+
+
+def check_batch(run: RunConfig, hw: HardwareFacts) -> int:
+    """The batch invariant global = micro x accumulation x world, checked in one place.
+    Returns the images each rank processes per step."""
+    global_batch, world = run.training.global_batch_size, hw.world_size
+    if global_batch % world:
+        raise ZerotrainError(
+            f"training.global_batch_size={global_batch} is not divisible by the world size {world} "
+            f"({hw.nodes} node(s) x {hw.gpus_per_node} GPUs); use a multiple of {world}, e.g. "
+            f"{max(world, global_batch // world * world)}"
+        )
+    per_rank = global_batch // world
+    micro = run.training.micro_batch_size
+    if micro != "auto" and per_rank % micro:
+        raise ZerotrainError(
+            f"training.micro_batch_size={micro} does not divide the {per_rank} images per GPU "
+            f"(global {global_batch} / {world} GPUs); choose a divisor of {per_rank}, or auto"
+        )
+    return per_rank
+
+
+def plan(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Plan:
+    """All candidates, the fastest one that fits, and the reasons, in words."""
+    per_rank = check_batch(run, hw)
+    candidates = [evaluate(layout, facts, hw, run) for layout in layouts(run, hw, per_rank)]
+    candidates.sort(key=lambda c: (not c.fits, -c.images_per_second, c.memory.device_total))
+    fitting = [c for c in candidates if c.fits]
+    chosen = fitting[0] if fitting else None
+    gpu_budget, host_budget, nvme_budget = budgets(hw, run)
+    result = Plan(
+        model=facts.model, resolution=facts.resolution, mode=facts.mode, quantize=facts.quantize,
+        hardware=hw.describe(), world_size=hw.world_size, gpus_per_node=hw.gpus_per_node, nodes=hw.nodes,
+        global_batch=run.training.global_batch_size, gpu_budget_bytes=gpu_budget,
+        host_budget_bytes=host_budget, nvme_budget_bytes=nvme_budget, chosen=chosen,
+        candidates=candidates, reasons=[], flops_per_sample=facts.model_flops_per_sample,
+    )
+    result.reasons = reasons(result, facts, run)
+    return result
+
+
+def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
+    what = "full fine-tune" if facts.mode == "full" else f"LoRA rank {facts.lora_rank}"
+    if facts.quantize != "none":
+        what += f" over a {facts.quantize} base"
+    lines = [
+        f"{facts.model} {what}: {facts.trainable_params / 1e9:.3f}B trainable of {facts.total_params / 1e9:.3f}B "
+        f"parameters; frozen weights {gib(facts.frozen_bytes)}",
+        f"Activations per image at {facts.resolution}px ({facts.image_tokens} image + {facts.text_tokens} text "
+        f"tokens), traced with flash-attention accounting: peak {gib(facts.no_checkpointing.peak_bytes)} "
+        f"without checkpointing, {gib(facts.checkpointing.peak_bytes)} with",
+        f"Budget per GPU {gib(p.gpu_budget_bytes)} ({run.planner.headroom:.0%} headroom); includes CUDA context "
+        f"{gib(run.planner.cuda_context_bytes)}, NCCL {gib(run.planner.nccl_workspace_bytes)} and "
+        f"{run.planner.fragmentation:.0%} allocator fragmentation",
+    ]
+    if facts.quantize != "none" and 3 in run.planner.stages:
+        lines.append("ZeRO-3 cannot shard the quantized base: it stays whole on every GPU; only LoRA is partitioned")
+    fitting = [c for c in p.candidates if c.fits]
+    if p.chosen is None:
+        best = min(p.candidates, key=lambda c: c.memory.device_total)
+        lines.append(f"Nothing fits: the smallest candidate, {describe(best.layout)}, {best.rejected}")
+        return lines
+    c = p.chosen
+    lines.append(
+        f"Chosen: {describe(c.layout)}: the fastest of {len(fitting)} fitting candidates "
+        f"({c.images_per_second:.2f} images/s predicted at {run.planner.assumed_mfu:.0%} MFU), "
+        f"{gib(c.memory.device_total)} per GPU at its peak phase ({c.memory.peak_phase})"
+    )
+    if not c.layout.gradient_checkpointing:
+        lines.append("No gradient checkpointing: the activations fit, so no time is spent recomputing them")
+    else:
+        faster = [x for x in p.candidates if not x.layout.gradient_checkpointing and x.layout.stage == c.layout.stage]
+        if faster and not any(x.fits for x in faster):
+            lines.append(f"Gradient checkpointing is needed: without it {faster[-1].rejected}")
+    lower = [x for x in p.candidates if x.layout.stage < c.layout.stage and not x.fits]
+    if lower:
+        x = min(lower, key=lambda x: x.memory.device_total)
+        lines.append(f"Lower stages do not fit: {describe(x.layout)} {x.rejected}")
+    return lines
+
+
+def describe(layout: Layout) -> str:
+    gc = "checkpointing" if layout.gradient_checkpointing else "no checkpointing"
+    return f"{layout.label()}, {gc}, micro-batch {layout.micro_batch} x accumulation {layout.accumulation}"
+
+
+def suggest_more_gpus(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> str | None:
+    """The smallest multiple of the node count (up to 64 nodes) on which something fits."""
+    for nodes in range(hw.nodes + 1, 65):
+        bigger = dataclasses.replace(hw, nodes=nodes)
+        world = bigger.world_size
+        batch = max(run.training.global_batch_size // world, 1) * world
+        trial = run.model_copy(update={"training": run.training.model_copy(update={"global_batch_size": batch})})
+        if plan(facts, bigger, trial).chosen:
+            return f"{nodes} nodes of {hw.gpus_per_node} GPUs (global batch {batch})"
+    return None
+
+
+def suggest_gpu_memory(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> str | None:
+    smallest = min(evaluate(layout, facts, hw, run).memory.device_total
+                   for layout in layouts(run, hw, check_batch(run, hw)))
+    needed = smallest / (1 - run.planner.headroom)
+    return f"GPUs with at least {gib(needed)} each" if needed > hw.gpu_memory_bytes else None
