@@ -100,9 +100,8 @@ def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunC
     memory = suggest_gpu_memory(facts, hw, run)
     if memory:
         found.append(memory)
-    if "cpu" not in run.planner.offload:
-        if _fits_with(spec, hw, run, {"planner.offload": ["none", "cpu", "nvme"]}):
-            found.append("allow CPU offload: --set 'planner.offload=[none,cpu]'")
+    if "cpu" not in run.planner.offload and _fits_with(spec, hw, run, {"planner.offload": ["none", "cpu", "nvme"]}):
+        found.append("allow CPU offload: --set 'planner.offload=[none,cpu]'")
     if run.training.mode is Mode.full:
         if _fits_with(spec, hw, run, {"training.mode": "lora"}):
             found.append(f"LoRA instead of a full fine-tune: --mode lora (rank {run.training.lora.rank})")
@@ -117,5 +116,5 @@ def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunC
         if resolution < run.data.resolution and _fits_with(spec, hw, run, {"data.resolution": resolution}):
             found.append(f"a lower resolution: --resolution {resolution}")
             break
-    return found or ["nothing zerotrain can change fits this model on this hardware; add nodes or GPUs "
-                     f"with more than {gib(hw.gpu_memory_bytes)}"]
+    return found or [("nothing zerotrain can change fits this model on this hardware; add nodes or GPUs "
+                     f"with more than {gib(hw.gpu_memory_bytes)}")]

@@ -231,14 +231,14 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
     if facts.quantize != "none":
         what += f" over a {facts.quantize} base"
     lines = [
-        f"{facts.model} {what}: {facts.trainable_params / 1e9:.3f}B trainable of {facts.total_params / 1e9:.3f}B "
-        f"parameters; frozen weights {gib(facts.frozen_bytes)}",
-        f"Activations per image at {facts.resolution}px ({facts.image_tokens} image + {facts.text_tokens} text "
+        (f"{facts.model} {what}: {facts.trainable_params / 1e9:.3f}B trainable of {facts.total_params / 1e9:.3f}B "
+        f"parameters; frozen weights {gib(facts.frozen_bytes)}"),
+        (f"Activations per image at {facts.resolution}px ({facts.image_tokens} image + {facts.text_tokens} text "
         f"tokens), traced with flash-attention accounting: peak {gib(facts.no_checkpointing.peak_bytes)} "
-        f"without checkpointing, {gib(facts.checkpointing.peak_bytes)} with",
-        f"Budget per GPU {gib(p.gpu_budget_bytes)} ({run.planner.headroom:.0%} headroom); includes CUDA context "
+        f"without checkpointing, {gib(facts.checkpointing.peak_bytes)} with"),
+        (f"Budget per GPU {gib(p.gpu_budget_bytes)} ({run.planner.headroom:.0%} headroom); includes CUDA context "
         f"{gib(run.planner.cuda_context_bytes)}, NCCL {gib(run.planner.nccl_workspace_bytes)} and "
-        f"{run.planner.fragmentation:.0%} allocator fragmentation",
+        f"{run.planner.fragmentation:.0%} allocator fragmentation"),
     ]
     if facts.quantize != "none" and 3 in run.planner.stages:
         lines.append("ZeRO-3 cannot shard the quantized base: it stays whole on every GPU; only LoRA is partitioned")
