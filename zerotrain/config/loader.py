@@ -36,8 +36,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
         else:
             data = yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError, ValueError) as err:  # TOMLDecodeError is a ValueError
-        detail = " ".join(str(err).split())
-        raise ZerotrainError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {detail}") from err
+        detail = " ".join(str(err).split()).replace('"<unicode string>", ', "")
+        kind = {".json": "JSON", ".toml": "TOML"}.get(path.suffix, "YAML")
+        raise ZerotrainError(f"{path}: not valid {kind}: {detail}") from err
     if data is None:
         return {}
     if not isinstance(data, dict):

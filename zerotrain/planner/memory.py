@@ -101,11 +101,12 @@ def gathered_params(layout: Layout, s: Sizes, b: Buffers) -> int:
 def lp_grads(layout: Layout, s: Sizes) -> int:
     """bf16 gradients held through backward. ZeRO 0/1 keep a full-size gradient per trainable
     parameter until the accumulation boundary; ZeRO-2 keeps its partition (grads_in_partition);
-    ZeRO-3 its grad_partitions_flat_buffer, which lives in pinned host memory when the
-    optimizer is offloaded."""
+    ZeRO-3 its grad_partitions_flat_buffer. With the optimizer offloaded, ZeRO-2 copies each
+    reduced gradient straight into the host fp32 buffer (copy_grads_in_partition) and ZeRO-3
+    pins its buffer in host memory, so neither keeps a GPU partition."""
     if layout.stage <= 1:
         return LP * s.trainable_params
-    if layout.stage == 3 and layout.offload_optimizer != "none":
+    if layout.offload_optimizer != "none":
         return 0
     return LP * s.trainable_params // s.world_size
 
