@@ -477,8 +477,8 @@ def measure_model(spec: ModelSpec, run: RunConfig, cache: bool = True) -> ModelF
     if cache and cache_file.is_file():
         with contextlib.suppress(ValueError, TypeError, KeyError):
             facts = ModelFacts.from_json(json.loads(cache_file.read_text()))
-            facts.cached = True
-            return facts
+            # The key is the architecture, so the same facts serve a catalog name and a folder.
+            return dataclasses.replace(facts, model=spec.name, cached=True)
 
     start = time.perf_counter()
     model = build_meta_model(spec)

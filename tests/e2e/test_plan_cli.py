@@ -1,0 +1,127 @@
+"""`zerotrain plan` as a user runs it: the acceptance command, JSON and DeepSpeed JSON output,
+models from folders saved with save_pretrained, and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zerotrain.cli import main
+from zerotrain.models.catalog import resolve_model
+from zerotrain.config import ModelConfig
+
+
+@pytest.fixture(autouse=True)
+def facts_cache(tmp_path_factory, monkeypatch):
+    cache = tmp_path_factory.getbasetemp() / "xdg-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    return cache
+
+
+def zerotrain(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "zerotrain.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_acceptance_flux_dev_full_on_8xa100(tmp_path):
+    out = tmp_path / "ds.json"
+    result = zerotrain("plan", "--model", "flux-dev", "--resolution", "1024", "--gpus", "8xA100-80GB",
+                       "--mode", "full", "--write-config", str(out))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "fits" in text and "Chosen:" in text and "Reasons:" in text
+    assert "activations" in text and "optimizer states" in text  # the breakdown
+    config = json.loads(out.read_text())
+    assert config["_zerotrain"]["command"].startswith("zerotrain plan --model flux-dev")
+    assert config["train_batch_size"] == 8
+    assert config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * 8 == 8
+    assert "auto" not in json.dumps(config)
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config.pop("_zerotrain")
+    # Offline DeepSpeed sees a world of 1, so check the per-GPU share of the batch.
+    config["train_batch_size"] //= 8
+    DeepSpeedConfig(config)
+
+
+def test_json_output_and_cache(capsys):
+    args = ["plan", "--model", "tiny-flux", "--resolution", "256", "--gpus", "2xH100-80GB", "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["plan"]["chosen"]["fits"] is True
+    assert first["deepspeed_config"]["zero_optimization"]["stage"] == first["plan"]["chosen"]["layout"]["stage"]
+    assert first["facts_cached"] is False
+    assert main(args) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["facts_cached"] is True
+    assert second["plan"]["chosen"] == first["plan"]["chosen"]
+
+
+def test_plans_from_a_saved_folder_and_a_config_json(tmp_path, capsys):
+    spec = resolve_model(ModelConfig(name_or_path="tiny-sdxl"))
+    model = spec.denoiser_class().from_config(spec.config)
+    model.save_pretrained(tmp_path / "unet")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline",
+                                                           "unet": ["diffusers", "UNet2DConditionModel"]}))
+    for target in (tmp_path, tmp_path / "unet" / "config.json"):
+        assert main(["plan", "--model", str(target), "--resolution", "256", "--gpus", "1xRTX4090-24GB",
+                     "--global-batch", "4", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["plan"]["model"] == str(target)
+        assert out["plan"]["chosen"] is not None
+    del model, torch  # the model was only needed on disk
+
+
+def test_nothing_fits_exits_1_with_suggestions(capsys):
+    code = main(["plan", "--model", "flux-dev", "--gpus", "1xRTX4090-24GB", "--mode", "full",
+                 "--global-batch", "1", "--set", "planner.offload=[none]"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "Nothing fits" in out and "What would make it fit:" in out
+    assert "more GPUs" in out or "LoRA" in out
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--model", "flux-deev", "--gpus", "8xA100-80GB"], "model.name_or_path"),
+    (["--model", "flux-dev", "--gpus", "9xZ100"], "hardware.gpus"),
+    (["--model", "flux-dev", "--gpus", "8xA100-80GB", "--resolution", "1000"], "data.resolution=1000"),
+    (["--model", "flux-dev", "--gpus", "8xA100-80GB", "--mode", "lora", "--lora-rank", "0"], "training.lora.rank"),
+    (["--model", "flux-dev", "--gpus", "8xA100-80GB", "--global-batch", "12"], "not divisible by the world size 8"),
+    (["--model", "flux-dev", "--gpus", "8xA100-80GB", "--set", "training.bogus=1"], "training.bogus"),
+])
+def test_bad_input_is_one_line_without_traceback(args, expected, capsys):
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_malformed_files_are_one_line(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text("model: {name_or_path: flux-dev\n")
+    assert main(["plan", "--config", str(run), "--gpus", "8xA100-80GB"]) == 2
+    err = capsys.readouterr().err
+    assert "run.yaml: not valid YAML" in err and err.count("\n") == 1
+    config_json = tmp_path / "config.json"
+    config_json.write_text('{"_class_name": "FluxTransformer2DModel", ')
+    assert main(["plan", "--model", str(config_json), "--gpus", "8xA100-80GB"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and err.count("\n") == 1
+
+
+def test_no_gpu_and_no_profile_says_how_to_name_one():
+    # This machine has no NVML; CI neither.
+    result = zerotrain("plan", "--model", "tiny-flux", "--resolution", "256", env={"CUDA_VISIBLE_DEVICES": "0"})
+    if result.returncode == 0:
+        pytest.skip("a GPU is visible here")
+    assert result.returncode == 2
+    assert "--gpus 8xA100-80GB" in result.stderr and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback():
+    result = zerotrain("--debug", "plan", "--model", "nope", "--gpus", "8xA100-80GB")
+    assert result.returncode != 0 and "Traceback" in result.stderr

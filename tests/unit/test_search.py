@@ -1,0 +1,121 @@
+"""plan() on synthetic model facts: it is a pure function, so its rules can be tested directly."""
+
+import dataclasses
+
+import pytest
+
+from zerotrain.config import load_config
+from zerotrain.errors import ZerotrainError
+from zerotrain.hardware import hardware_facts
+from zerotrain.planner.facts import ActivationFacts, ModelFacts
+from zerotrain.planner.search import plan, suggest_more_gpus
+
+GiB = 2**30
+
+
+def facts(params=2 * 10**9, trainable=None, act_gib=8.0, act_gc_gib=1.0, quantize="none", frozen_bytes=0):
+    trainable = params if trainable is None else trainable
+    return ModelFacts(
+        model="synthetic", class_name="FluxTransformer2DModel", family="flux", resolution=1024,
+        mode="full" if trainable == params else "lora", quantize=quantize, lora_rank=None,
+        total_params=params, trainable_params=trainable, frozen_params=params - trainable,
+        frozen_bytes=frozen_bytes, buffer_bytes=0, largest_layer_params=params // 100, block_params={},
+        param_numels=[params // 100] * 100, image_tokens=4096, text_tokens=512, input_bytes=10**6,
+        no_checkpointing=ActivationFacts(int(act_gib * GiB), int(act_gib * GiB), int(act_gib * GiB), 6.0 * params * 4608),
+        checkpointing=ActivationFacts(int(act_gc_gib * GiB) // 2, int(act_gc_gib * GiB), int(act_gc_gib * GiB),
+                                      8.0 * params * 4608),
+    )
+
+
+def run_with(*overrides):
+    return load_config(None, list(overrides))
+
+
+def hw(spec, *extra):
+    return hardware_facts(run_with(f"hardware.gpus={spec}", *extra).hardware)
+
+
+def test_every_candidate_keeps_the_batch_invariant():
+    run = run_with("training.global_batch_size=32")
+    result = plan(facts(), hw("4xA100-80GB"), run)
+    assert result.candidates
+    for c in result.candidates:
+        assert c.layout.micro_batch * c.layout.accumulation * 4 == 32
+
+
+def test_global_batch_not_divisible_by_world_is_one_line():
+    with pytest.raises(ZerotrainError, match=r"global_batch_size=10 is not divisible by the world size 4"):
+        plan(facts(), hw("4xA100-80GB"), run_with("training.global_batch_size=10"))
+    with pytest.raises(ZerotrainError, match=r"micro_batch_size=3 does not divide the 4 images per GPU"):
+        plan(facts(), hw("2xA100-80GB"), run_with("training.global_batch_size=8", "training.micro_batch_size=3"))
+
+
+def test_chosen_is_the_fastest_that_fits():
+    result = plan(facts(), hw("8xA100-80GB"), run_with())
+    fitting = [c for c in result.candidates if c.fits]
+    assert result.chosen is fitting[0]
+    assert all(result.chosen.images_per_second >= c.images_per_second for c in fitting)
+    assert all(c.memory.device_total <= result.gpu_budget_bytes for c in fitting)
+    assert all(c.memory.device_total > result.gpu_budget_bytes or c.memory.host_per_node > result.host_budget_bytes
+               for c in result.candidates if not c.fits)
+
+
+def test_small_model_prefers_no_sharding_and_no_checkpointing():
+    result = plan(facts(params=10**8, act_gib=2.0), hw("1xA100-80GB"), run_with("training.global_batch_size=4"))
+    assert result.chosen.layout.stage in (0, 1, 2)
+    assert not result.chosen.layout.gradient_checkpointing
+    assert result.chosen.layout.offload_optimizer == "none"
+
+
+def test_checkpointing_when_activations_do_not_fit():
+    result = plan(facts(params=10**8, act_gib=100.0), hw("1xA100-80GB"), run_with("training.global_batch_size=1"))
+    assert result.chosen.layout.gradient_checkpointing
+    assert any("Gradient checkpointing is needed" in r for r in result.reasons)
+
+
+def test_sharding_when_model_states_do_not_fit_one_gpu():
+    # 12B params full: 2+16 bytes/param replicated is 200 GiB; on 8x80GB only ZeRO-3 (or offload) fits.
+    result = plan(facts(params=12 * 10**9, act_gib=40, act_gc_gib=2.4), hw("8xA100-80GB"), run_with())
+    assert result.chosen.layout.stage == 3 or result.chosen.layout.offload_optimizer != "none"
+    assert not any(c.fits for c in result.candidates if c.layout.stage == 0)
+
+
+def test_nothing_fits_says_so_and_more_gpus_would():
+    big = facts(params=12 * 10**9, act_gib=40, act_gc_gib=2.4)
+    run = run_with("planner.offload=[none]")
+    result = plan(big, hw("1xRTX4090-24GB"), run)
+    assert result.chosen is None
+    assert any(r.startswith("Nothing fits") for r in result.reasons)
+    more = suggest_more_gpus(big, dataclasses.replace(hw("8xRTX4090-24GB"), nodes=1), run_with("planner.offload=[none]"))
+    assert more and "nodes of 8 GPUs" in more
+
+
+def test_quantized_base_is_not_sharded_by_zero3():
+    q = facts(params=12 * 10**9, trainable=4 * 10**7, quantize="qint8", frozen_bytes=12 * 10**9)
+    result = plan(q, hw("8xA100-80GB"), run_with("training.mode=lora", "training.quantize_base=qint8"))
+    zero3 = [c for c in result.candidates if c.layout.stage == 3]
+    assert all(c.memory.phases["init"] >= 12 * 10**9 for c in zero3)
+    assert any("cannot shard the quantized base" in r for r in result.reasons)
+
+
+def test_nvme_only_with_a_path(tmp_path):
+    without = plan(facts(), hw("2xA100-80GB"), run_with("training.global_batch_size=2"))
+    assert not any("nvme" in (c.layout.offload_optimizer, c.layout.offload_param) for c in without.candidates)
+    with_path = plan(facts(), hw("2xA100-80GB", f"hardware.nvme_path={tmp_path}"),
+                     run_with("training.global_batch_size=2", f"hardware.nvme_path={tmp_path}"))
+    assert any(c.layout.offload_optimizer == "nvme" for c in with_path.candidates)
+
+
+def test_host_ram_limits_offload():
+    tight = plan(facts(params=12 * 10**9, act_gib=40, act_gc_gib=2.4), hw("1xA100-80GB", "hardware.host_memory=64GiB"),
+                 run_with("training.global_batch_size=1", "hardware.host_memory=64GiB"))
+    offloaded = [c for c in tight.candidates if c.layout.offload_optimizer == "cpu"]
+    assert offloaded and not any(c.fits for c in offloaded)
+    assert all("host RAM" in c.rejected for c in offloaded if c.memory.device_total <= tight.gpu_budget_bytes)
+
+
+def test_fixed_micro_batch_and_checkpointing_are_respected():
+    result = plan(facts(), hw("2xA100-80GB"), run_with("training.global_batch_size=8", "training.micro_batch_size=2",
+                                                      "training.gradient_checkpointing=true"))
+    assert {c.layout.micro_batch for c in result.candidates} == {2}
+    assert all(c.layout.gradient_checkpointing and c.layout.accumulation == 2 for c in result.candidates)
