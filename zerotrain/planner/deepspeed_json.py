@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,10 @@ def validate(config: dict[str, Any]) -> None:
     """Let DeepSpeed's own config class check the dict. Offline it sees a world of 1, so the
     batch numbers are checked on a world-1 copy (train_batch = micro x accumulation); the real
     world size is checked by search.check_batch."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    # DeepSpeed's logger writes to the stdout it finds at import; bind it to stderr so that
+    # `zerotrain plan --json` prints only JSON.
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.config import DeepSpeedConfig
 
     copy = json.loads(json.dumps(config))
     copy["train_batch_size"] = copy["train_micro_batch_size_per_gpu"] * copy["gradient_accumulation_steps"]
