@@ -143,6 +143,11 @@ class HardwareConfig(_Section):
     nvme_space: str | None = None
     """Free space at nvme_path on the training nodes; measured at nvme_path when not given."""
 
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _count_as_text(cls, value: object) -> object:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
     @field_validator("gpu_memory", "host_memory", "nvme_space")
     @classmethod
     def _size(cls, value: str | None) -> str | None:

@@ -4,12 +4,13 @@ and the default LoRA targets. The denoisers themselves are the diffusers classes
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 # Default LoRA targets, as diffusers' own training scripts choose them
 # (train_dreambooth_lora_flux.py, train_dreambooth_lora_sd3.py, train_text_to_image_lora_sdxl.py).
@@ -69,6 +70,8 @@ def example_inputs(
 ) -> dict[str, Any]:
     """Keyword arguments for one training forward of the denoiser, shaped as the family's
     diffusers pipeline shapes them. Values are uninitialised on meta, random elsewhere."""
+    import torch
+
     config = spec.config
 
     def tensor(*shape: int, kind: torch.dtype = dtype) -> torch.Tensor:

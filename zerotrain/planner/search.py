@@ -25,6 +25,14 @@ def gib(value: float) -> str:
     return f"{value / GiB:.1f} GiB"
 
 
+def count(value: int) -> str:
+    """11901408320 -> '11.90B', 78544 -> '78.5K'."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if value >= scale:
+            return f"{value / scale:.{2 if suffix == 'B' else 1}f}{suffix}"
+    return str(value)
+
+
 @dataclass
 class Candidate:
     layout: Layout
@@ -230,9 +238,9 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
     what = "full fine-tune" if facts.mode == "full" else f"LoRA rank {facts.lora_rank}"
     if facts.quantize != "none":
         what += f" over a {facts.quantize} base"
+    frozen = f"; frozen weights {gib(facts.frozen_bytes)}" if facts.frozen_params else ""
     lines = [
-        (f"{facts.model} {what}: {facts.trainable_params / 1e9:.3f}B trainable of {facts.total_params / 1e9:.3f}B "
-        f"parameters; frozen weights {gib(facts.frozen_bytes)}"),
+        f"{facts.model} {what}: {count(facts.trainable_params)} trainable of {count(facts.total_params)} parameters{frozen}",
         (f"Activations per image at {facts.resolution}px ({facts.image_tokens} image + {facts.text_tokens} text "
         f"tokens), traced with flash-attention accounting: peak {gib(facts.no_checkpointing.peak_bytes)} "
         f"without checkpointing, {gib(facts.checkpointing.peak_bytes)} with"),
@@ -258,7 +266,9 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
     else:
         faster = [x for x in p.candidates if not x.layout.gradient_checkpointing and x.layout.stage == c.layout.stage]
         if faster and not any(x.fits for x in faster):
-            lines.append(f"Gradient checkpointing is needed: without it {faster[-1].rejected}")
+            smallest = min(faster, key=lambda x: x.memory.device_total)
+            lines.append(f"Gradient checkpointing is needed: without it, even at micro-batch "
+                         f"{smallest.layout.micro_batch}, it {smallest.rejected}")
     lower = [x for x in p.candidates if x.layout.stage < c.layout.stage and not x.fits]
     if lower:
         x = min(lower, key=lambda x: x.memory.device_total)

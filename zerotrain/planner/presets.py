@@ -1,0 +1,48 @@
+"""The DeepSpeed presets in deepspeed_configs/, each produced by one `zerotrain plan` command.
+
+Regenerate them with `python -m zerotrain.planner.presets`; tests/e2e fails when they drift
+from what the planner writes today."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from zerotrain.cli import main
+
+PRESETS: dict[str, list[str]] = {
+    "flux-dev-lora-1xA100-80GB.json": [
+        "--model", "flux-dev", "--resolution", "1024", "--gpus", "1xA100-80GB", "--mode", "lora",
+        "--global-batch", "4"],
+    "flux-dev-lora-qint8-1xRTX4090-24GB.json": [
+        "--model", "flux-dev", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
+        "--quantize", "qint8", "--global-batch", "4"],
+    "flux-dev-full-8xA100-80GB.json": [
+        "--model", "flux-dev", "--resolution", "1024", "--gpus", "8xA100-80GB", "--mode", "full",
+        "--global-batch", "8"],
+    "sdxl-full-1xRTX4090-24GB.json": [
+        "--model", "sdxl-base", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "full",
+        "--global-batch", "8"],
+    "sd3.5-large-full-8xH100-80GB.json": [
+        "--model", "sd3.5-large", "--resolution", "1024", "--gpus", "8xH100-80GB", "--mode", "full",
+        "--global-batch", "16"],
+}
+
+ROOT = Path(__file__).resolve().parents[2] / "deepspeed_configs"
+
+
+def regenerate(folder: Path = ROOT) -> list[Path]:
+    """Write every preset into `folder` through the real CLI; returns the paths."""
+    written = []
+    for name, args in PRESETS.items():
+        path = folder / name
+        code = main(["plan", *args, "--json", "--write-config", str(path)])
+        if code != 0:
+            raise SystemExit(f"preset {name}: zerotrain plan exited {code}")
+        written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    for path in regenerate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT):
+        print(path, file=sys.stderr)

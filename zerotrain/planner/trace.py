@@ -1,0 +1,391 @@
+"""Measuring model facts on the meta device, with no weights and no GPU.
+
+The real diffusers model is built on meta. Parameters are counted by name (DeepSpeed's
+model_to_params de-duplicates by data_ptr, which is 0 for every meta tensor). One forward and
+backward is traced under a dispatch mode that tracks live tensor storages (de-duplicated by
+storage, freed through weak references), so saved activations, the forward peak and the
+backward transient are measured rather than guessed. Attention is accounted as a flash /
+memory-efficient kernel holds it (q, k, v, out, logsumexp), because meta and CPU would fall
+back to math attention and save the full T x T score matrix (about 4x too much per block,
+FIELD_NOTES). FLOPs come from torch's own flop formulas, plus attention's matmuls."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import flop_registry
+
+from zerotrain.config.sections import Mode, Quantization, RunConfig
+from zerotrain.models.catalog import ModelSpec
+from zerotrain.models.families import example_inputs, image_tokens
+from zerotrain.planner.facts import ActivationFacts, ModelFacts, lora_targets
+
+BF16 = 2  # bytes per bf16 element
+
+# optimum-quanto's weight formats: bytes per weight element, and how scales are laid out.
+# qint8/qfloat8 keep one scale per output channel (axis 0) in the weight's dtype; qint4 uses
+# groups of 128 along the input dimension with a scale and a shift per group (quanto's
+# WeightQBitsTensor, group_size=128). Checked against quanto on a tiny model in tests/unit.
+QUANTO_BYTES = {Quantization.qint8: 1.0, Quantization.qfloat8: 1.0, Quantization.qint4: 0.5}
+QUANTO_INT4_GROUP = 128
+
+
+class _Accountant:
+    """Collects what the patched attention reports while a trace runs."""
+
+    def __init__(self) -> None:
+        self.flops = 0.0
+
+
+class FlashAccountedAttention(torch.autograd.Function):
+    """Scaled dot-product attention whose saved tensors are those of a flash / memory-efficient
+    kernel: q, k, v, out and the fp32 logsumexp (B, H, Lq). On meta it only produces shapes; on
+    real tensors it computes the true result (math attention without keeping the score matrix)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, scale, accountant):
+        batch_heads = math.prod(query.shape[:-2])
+        accountant.flops += 4.0 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1]
+        out_shape = (*query.shape[:-1], value.shape[-1])
+        if query.device.type == "meta":
+            out = query.new_empty(out_shape)
+            lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        else:
+            scale_value = scale if scale is not None else query.shape[-1] ** -0.5
+            scores = (query.float() @ key.float().transpose(-2, -1)) * scale_value
+            if attn_mask is not None:
+                scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+            lse = torch.logsumexp(scores, dim=-1)
+            out = (torch.exp(scores - lse.unsqueeze(-1)) @ value.float()).to(query.dtype)
+            del scores
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.attn_mask, ctx.scale, ctx.accountant = attn_mask, scale, accountant
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, _out, _lse = ctx.saved_tensors
+        batch_heads = math.prod(query.shape[:-2])
+        ctx.accountant.flops += 8.0 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1]
+        if query.device.type == "meta":
+            # FlashAttention-2's backward keeps an fp32 dq accumulator the size of q (dq_accum).
+            dq_accum = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+            del dq_accum
+            return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), None, None, None
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
+            out = _ORIGINAL_SDPA(q, k, v, attn_mask=ctx.attn_mask, scale=ctx.scale)
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        return (*grads, None, None, None)
+
+
+_ORIGINAL_SDPA = F.scaled_dot_product_attention
+
+
+class _FlashSDPA:
+    """Drop-in for F.scaled_dot_product_attention that routes through FlashAccountedAttention."""
+
+    def __init__(self, accountant: _Accountant) -> None:
+        self.accountant = accountant
+
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False):
+        if dropout_p or is_causal or enable_gqa:
+            return _ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return FlashAccountedAttention.apply(query, key, value, attn_mask, scale, self.accountant)
+
+
+@contextlib.contextmanager
+def flash_attention_accounting(accountant: _Accountant) -> Iterator[None]:
+    """Route every F.scaled_dot_product_attention call (diffusers' native attention backend and
+    AttnProcessor2_0 both call it) through FlashAccountedAttention while the trace runs."""
+    F.scaled_dot_product_attention = _FlashSDPA(accountant)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _ORIGINAL_SDPA
+
+
+class LiveBytesMode(TorchDispatchMode):
+    """Tracks bytes of tensor storages created while active, until they are freed.
+
+    Storages are keyed by their StorageImpl (views share one), freed through a weak reference,
+    and storages that existed before (parameters, buffers, inputs) are ignored. Also counts
+    FLOPs with torch.utils.flop_counter's formulas (FlopCounterMode itself keeps tensors alive,
+    which would distort the peak)."""
+
+    def __init__(self, ignore: set[int]) -> None:
+        super().__init__()
+        self.ignore = ignore
+        self.sizes: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+        self.flops = 0.0
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            self.flops += counter(*args, **kwargs, out_val=out)
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key in self.ignore or key in self.sizes:
+                    continue
+                self.sizes[key] = storage.nbytes()
+                self.live += storage.nbytes()
+                weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def _storage_keys(tensors: Iterator[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors}
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
+
+
+def trace_activations(
+    model: torch.nn.Module, inputs: dict[str, Any], gradient_checkpointing: bool,
+    saved_inputs_of: tuple[type, ...] = (),
+) -> ActivationFacts:
+    """One forward and backward of `model` on `inputs` under LiveBytesMode and flash accounting.
+
+    Parameter gradients are dropped as soon as they are accumulated, as ZeRO's reduce hooks
+    move them out of the autograd graph. `saved_inputs_of` lists module types whose forward
+    inputs stay saved for backward even when their weight is frozen (quanto's
+    QuantizedLinearFunction saves its input unconditionally)."""
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing as diffusers uses it; RNG state is not needed for a trace.
+        model.enable_gradient_checkpointing(
+            functools.partial(_checkpoint_module, checkpoint_fn=functools.partial(
+                checkpoint, use_reentrant=False, preserve_rng_state=False)))
+    else:
+        model.disable_gradient_checkpointing()
+    params = [p for p in model.parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
+    tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    ignore = _storage_keys(model.parameters()) | _storage_keys(model.buffers()) | _storage_keys(iter(tensors))
+    stash: list[torch.Tensor] = []
+    stash_hooks = [
+        module.register_forward_pre_hook(functools.partial(_stash_input, stash=stash))
+        for module in model.modules() if saved_inputs_of and isinstance(module, saved_inputs_of)
+    ] if not gradient_checkpointing else []
+    accountant = _Accountant()
+    mode = LiveBytesMode(ignore)
+    try:
+        with flash_attention_accounting(accountant), mode:
+            out = model(**inputs, return_dict=False)[0]
+            loss = F.mse_loss(out.float(), torch.zeros_like(out, dtype=torch.float32))
+            forward_peak, saved = mode.peak, mode.live
+            mode.reset_peak()
+            loss.backward()
+            del out, loss
+            backward_peak = mode.peak
+    finally:
+        for hook in hooks + stash_hooks:
+            hook.remove()
+        stash.clear()
+    return ActivationFacts(
+        saved_bytes=int(saved), forward_peak_bytes=int(forward_peak), backward_peak_bytes=int(backward_peak),
+        flops=float(mode.flops + accountant.flops),
+    )
+
+
+def repeated_block_groups(model: torch.nn.Module) -> dict[str, list[list[int]]]:
+    """For each top-level ModuleList of 3+ blocks: its block indices grouped by structure
+    (class and parameter shapes). Blocks of one group cost the same activations and FLOPs."""
+    groups: dict[str, list[list[int]]] = {}
+    for name, child in model.named_children():
+        if not isinstance(child, torch.nn.ModuleList) or len(child) < 3:
+            continue
+        by_signature: dict[tuple, list[int]] = {}
+        for index, block in enumerate(child):
+            signature = (type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+            by_signature.setdefault(signature, []).append(index)
+        groups[name] = sorted(by_signature.values())
+    return groups
+
+
+@contextlib.contextmanager
+def keep_blocks(model: torch.nn.Module, keep: dict[str, list[int]]) -> Iterator[None]:
+    """Temporarily shorten top-level ModuleLists to the given block indices (in order)."""
+    originals = {name: getattr(model, name) for name in keep}
+    try:
+        for name, indices in keep.items():
+            setattr(model, name, torch.nn.ModuleList([originals[name][i] for i in sorted(indices)]))
+        yield
+    finally:
+        for name, blocks in originals.items():
+            setattr(model, name, blocks)
+
+
+def _extrapolate(base: ActivationFacts, slopes: list[tuple[ActivationFacts, int]]) -> ActivationFacts:
+    """Saved bytes and FLOPs grow linearly with block count: base + sum(extra * increment).
+    A peak is the saved bytes plus the largest transient on top of them (one block's
+    recomputation, activation gradients); where it happens shifts with depth, so the transient
+    is the largest seen in any of the reduced traces, added to the extrapolated saved bytes."""
+    traces = [base, *(more for more, _ in slopes)]
+    saved = base.saved_bytes + sum(n * (more.saved_bytes - base.saved_bytes) for more, n in slopes)
+    return ActivationFacts(
+        saved_bytes=int(saved),
+        forward_peak_bytes=int(saved + max(t.forward_peak_bytes - t.saved_bytes for t in traces)),
+        backward_peak_bytes=int(saved + max(t.backward_peak_bytes - t.saved_bytes for t in traces)),
+        flops=float(base.flops + sum(n * (more.flops - base.flops) for more, n in slopes)),
+    )
+
+
+def trace_by_blocks(
+    model: torch.nn.Module, inputs: dict[str, Any], gradient_checkpointing: bool,
+    saved_inputs_of: tuple[type, ...] = (),
+) -> ActivationFacts:
+    """trace_activations on a reduced-depth model, extrapolated to the full depth.
+
+    Repeated blocks of a DiT (Flux's 19 + 38, SD3's 38) cost the same per block, so the model
+    is traced with one block of each structural group, and once more with one extra block of
+    each group that repeats; the full model is the base plus (count - 1) times each group's
+    increment. Exact for saved bytes and FLOPs as long as blocks of a group are alike, and an upper
+    bound for the peaks (see _extrapolate); tests/unit checks both against a full trace. Models without repeated top-level blocks
+    (UNets) are traced whole."""
+    groups = repeated_block_groups(model)
+    if not groups:
+        return trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of)
+    base_keep = {name: [g[0] for g in lists] for name, lists in groups.items()}
+    with keep_blocks(model, base_keep):
+        base = trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of)
+    slopes = []
+    for name, lists in groups.items():
+        for group in lists:
+            if len(group) < 2:
+                continue
+            keep = {n: list(v) for n, v in base_keep.items()}
+            keep[name].append(group[1])
+            with keep_blocks(model, keep):
+                slopes.append((trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of),
+                               len(group) - 1))
+    return _extrapolate(base, slopes)
+
+
+def _checkpoint_module(module: torch.nn.Module, *args: Any, checkpoint_fn: Any) -> Any:
+    return checkpoint_fn(module.__call__, *args)
+
+
+def _stash_input(module: torch.nn.Module, args: tuple, stash: list[torch.Tensor]) -> None:
+    stash.extend(a for a in args if isinstance(a, torch.Tensor))
+
+
+def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
+    """The real diffusers class, built from its config on the meta device, in bf16."""
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # the "kept in float32" notice is about from_pretrained
+    try:
+        with torch.device("meta"):
+            model = spec.denoiser_class().from_config(spec.config)
+        return model.to(torch.bfloat16)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+
+
+def apply_lora(model: torch.nn.Module, spec: ModelSpec, run: RunConfig) -> None:
+    """Inject peft LoRA adapters (on meta, so their parameters are counted exactly) and freeze
+    the base."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    lora = run.training.lora
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha or lora.rank, lora_dropout=lora.dropout,
+                        target_modules=lora_targets(spec, run))
+    inject_adapter_in_model(config, model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+
+
+def frozen_storage_bytes(model: torch.nn.Module, quantize: Quantization) -> int:
+    """Bytes of the frozen parameters as they will be stored."""
+    total = 0
+    quantized: set[int] = set()
+    if quantize is not Quantization.none:
+        for name, module in model.named_modules():
+            if "lora_" in name or not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+                continue
+            weight = module.weight
+            out_features, in_features = weight.shape[0], weight[0].numel()
+            if quantize is Quantization.qint4:
+                groups = out_features * math.ceil(in_features / QUANTO_INT4_GROUP)
+                scales = 2 * groups * BF16  # scale and shift per group
+            else:
+                scales = out_features * BF16  # one scale per output channel
+            total += int(weight.numel() * QUANTO_BYTES[quantize]) + scales
+            quantized.add(id(weight))
+    for param in model.parameters():
+        if not param.requires_grad and id(param) not in quantized:
+            total += param.numel() * param.element_size()
+    return total
+
+
+def block_params(model: torch.nn.Module) -> dict[str, int]:
+    """Parameters per top-level block: items of top-level ModuleLists, and other top-level
+    children whole."""
+    blocks: dict[str, int] = {}
+    for name, child in model.named_children():
+        items = child.named_children() if isinstance(child, torch.nn.ModuleList) else [("", child)]
+        for index, module in items:
+            count = sum(p.numel() for p in module.parameters())
+            if count:
+                blocks[f"{name}.{index}" if index else name] = count
+    return blocks
+
+
+def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
+    """Build, count and trace the model for this run's mode and resolution."""
+    start = time.perf_counter()
+    model = build_meta_model(spec)
+    if run.training.mode is Mode.lora:
+        apply_lora(model, spec, run)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    resolution = run.data.resolution
+    inputs = example_inputs(spec, 1, resolution, resolution, text_tokens, "meta", torch.bfloat16)
+    input_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
+    quantize = run.training.quantize_base
+    saved_inputs_of = (torch.nn.Linear, torch.nn.Conv2d) if quantize is not Quantization.none else ()
+    no_gc = trace_by_blocks(model, inputs, False, saved_inputs_of)
+    gc = trace_by_blocks(model, inputs, True, saved_inputs_of)
+    facts = ModelFacts(
+        model=spec.name, class_name=spec.class_name, family=spec.family, resolution=resolution,
+        mode=run.training.mode.value, quantize=quantize.value,
+        lora_rank=run.training.lora.rank if run.training.mode is Mode.lora else None,
+        total_params=total, trainable_params=trainable, frozen_params=total - trainable,
+        frozen_bytes=frozen_storage_bytes(model, quantize),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        largest_layer_params=largest, block_params=block_params(model),
+        param_numels=sorted(p.numel() for p in params),
+        image_tokens=image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
+        no_checkpointing=no_gc, checkpointing=gc, trace_seconds=round(time.perf_counter() - start, 3),
+    )
+    return facts
