@@ -104,6 +104,40 @@ def optimizer_state_tensors(basic: torch.optim.Optimizer) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor) and t.dim() > 0]
 
 
+def reachable_tensors(obj, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors (and their .grad) inside nested lists, tuples and dicts, a few levels deep."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] + ([obj.grad] if obj.grad is not None else [])
+    if depth > 3:
+        return []
+    if isinstance(obj, dict):
+        return [t for key, value in obj.items() for t in reachable_tensors(key, depth + 1) + reachable_tensors(value, depth + 1)]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in reachable_tensors(item, depth + 1)]
+    return []
+
+
+def inventory(zero) -> dict[str, int]:
+    """Every tensor storage the ZeRO optimizer object reaches through its attributes, by
+    attribute (each storage counted once, under the first attribute in sorted order)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    holders = {f"zero.{k}": v for k, v in vars(zero).items()}
+    holders["zero.optimizer.state"] = zero.optimizer.state
+    for name in sorted(holders):
+        total = 0
+        for tensor in reachable_tensors(holders[name]):
+            if tensor.device.type == "meta" or tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        if total:
+            out[name] = total
+    return out
+
+
 def host_offload_buffers(zero, stage: int) -> dict[str, int]:
     """Buffers ZeRO keeps in (pinned) host memory for an offloaded optimizer beyond the fp32
     master, moments and fp32 gradients."""
@@ -179,6 +213,7 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int) -> dict:
     measured["optimizer_states"] = storage_bytes(optimizer_state_tensors(basic))
     measured["fp32_grads"] = fp32_grad_peak[0]
     measured["host_extra"] = host_offload_buffers(zero, stage) if case["offload"] != "none" else {}
+    measured["inventory"] = inventory(zero)
     engine.destroy()
     return measured
 

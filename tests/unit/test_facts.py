@@ -94,7 +94,7 @@ def measured(name: str, mode: str) -> ModelFacts:
 DEEPER = [
     ("tiny-flux", {"num_layers": 3, "num_single_layers": 4}),
     # Block 0 has dual attention and the last block is context_pre_only: three groups, one repeated.
-    ("tiny-sd3", {"num_layers": 4}),
+    ("tiny-sd3", {"num_layers": 5}),
 ]
 
 
@@ -395,20 +395,22 @@ def test_measure_model_caches_per_resolution_and_rank(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.json"))) == 3
 
 
-@pytest.mark.parametrize("content", [b"", b'{"model": "tiny-flux", "resol', b"\xff\xfe\x00", b"[]", b"null",
-                                     b'{"model": "tiny-flux"}'],
-                         ids=["empty", "truncated", "binary", "list", "null", "missing-fields"])
-def test_corrupt_cache_file_is_measured_again(tmp_path, content):
+CORRUPT = {"empty": b"", "truncated": b'{"model": "tiny-flux", "resol', "binary": b"\xff\xfe\x00",
+           "list": b"[]", "null": b"null", "missing fields": b'{"model": "tiny-flux"}',
+           "wrong types": b'{"model": "tiny-flux", "no_checkpointing": 5}'}
+
+
+def test_corrupt_cache_file_is_measured_again(tmp_path):
     spec = spec_of("tiny-flux")
     run = run_config("tiny-flux", "lora", cache_dir=tmp_path)
-    first = measure_model(spec, run)
+    first = dataclasses.replace(measure_model(spec, run), trace_seconds=0.0)
     (cache_file,) = tmp_path.glob("*.json")
-    cache_file.write_bytes(content)
-
-    again = measure_model(spec, run)
-    assert not again.cached
-    assert dataclasses.replace(again, trace_seconds=0.0) == dataclasses.replace(first, trace_seconds=0.0)
-    assert ModelFacts.from_json(json.loads(cache_file.read_text())) == again  # rewritten
+    for kind, content in CORRUPT.items():
+        cache_file.write_bytes(content)
+        again = measure_model(spec, run)
+        assert not again.cached, kind
+        assert dataclasses.replace(again, trace_seconds=0.0) == first, kind
+        assert ModelFacts.from_json(json.loads(cache_file.read_text())) == again, f"{kind}: not rewritten"
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -83,10 +83,6 @@ class TrainingConfig(_Section):
     """Images per GPU per forward pass; auto lets the planner choose."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute activations in backward; auto lets the planner choose."""
-    max_steps: int = Field(1000, ge=1)
-    """Optimizer steps to train for."""
-    seed: int = 0
-    """Seed for every random number generator of the run."""
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -214,10 +210,6 @@ class RunConfig(_Section):
     """GPUs and nodes to plan for."""
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
     """Search space and calibration constants of the memory planner."""
-    deepspeed: Literal["auto"] | Path | dict[str, Any] = "auto"
-    """auto: the planner writes the DeepSpeed config. A path or an inline dict is used as given."""
-    output_dir: Path = Path("runs/zerotrain")
-    """Run folder for plans, checkpoints and logs."""
 
     @model_validator(mode="after")
     def _batch_fits_world(self) -> RunConfig:

@@ -1,0 +1,52 @@
+"""The configuration reference, generated from the pydantic models' field docstrings:
+`python -m zerotrain.config.reference` prints the Markdown that README.md embeds (a test keeps
+the two in sync)."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+
+from pydantic import BaseModel
+
+from zerotrain.config.sections import RunConfig
+
+
+def _default(field) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return "" if isinstance(value, BaseModel) else f"`{json.dumps(value)}`"
+    value = field.default
+    if isinstance(value, Enum):
+        value = value.value
+    return f"`{json.dumps(value, default=str)}`"
+
+
+def reference() -> str:
+    lines = []
+    top = RunConfig.model_fields
+    lines += ["| field | default | meaning |", "| --- | --- | --- |"]
+    for name, field in top.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            continue
+        lines.append(f"| `{name}` | {_default(field)} | {' '.join((field.description or '').split())} |")
+    for section, field in top.items():
+        model = field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        lines += ["", f"**`{section}:`** {' '.join((field.description or '').split())}", "",
+                  "| field | default | meaning |", "| --- | --- | --- |"]
+        for name, sub in model.model_fields.items():
+            nested = sub.annotation
+            if isinstance(nested, type) and issubclass(nested, BaseModel):
+                for leaf, leaf_field in nested.model_fields.items():
+                    lines.append(f"| `{section}.{name}.{leaf}` | {_default(leaf_field)} | "
+                                 f"{' '.join((leaf_field.description or '').split())} |")
+            else:
+                lines.append(f"| `{section}.{name}` | {_default(sub)} | {' '.join((sub.description or '').split())} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference())
