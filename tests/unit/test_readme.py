@@ -15,7 +15,7 @@ def test_configuration_reference_is_current():
 
 
 def test_quickstart_is_two_commands_and_ci_runs_them():
-    block = re.search(r"## Quickstart.*?```bash\n(.*?)```", README, re.S).group(1)
+    block = re.search(r"## Quickstart.*?```bash\n(.*?)```", README, re.DOTALL).group(1)
     commands = [line for line in block.splitlines() if line.strip()]
     assert len(commands) == 2
     ci = (ROOT / ".ci" / "run").read_text()

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from zerotrain.models.catalog import ModelSpec
 
 # Bump when the measurement changes, so cached facts from older code are not reused.
-FACTS_VERSION = 3
+FACTS_VERSION = 4
 
 
 @dataclass
@@ -107,6 +107,7 @@ def facts_key(spec: ModelSpec, run: RunConfig, text_tokens: int) -> str:
     lora = run.training.mode is Mode.lora
     payload = {
         "version": FACTS_VERSION, "class": spec.class_name, "config": spec.config,
+        "vae_scale_factor": spec.vae_scale_factor,
         "resolution": run.data.resolution, "text_tokens": text_tokens, "mode": run.training.mode.value,
         "quantize": run.training.quantize_base.value,
         "lora": run.training.lora.model_dump(mode="json") if lora else None,

@@ -34,11 +34,22 @@ from zerotrain.planner.facts import ActivationFacts, ModelFacts, lora_targets
 BF16 = 2  # bytes per bf16 element
 
 # optimum-quanto's weight formats: bytes per weight element, and how scales are laid out.
-# qint8/qfloat8 keep one scale per output channel (axis 0) in the weight's dtype; qint4 uses
-# groups of 128 along the input dimension with a scale and a shift per group (quanto's
-# WeightQBitsTensor, group_size=128). Checked against quanto on a tiny model in tests/unit.
+# qint8/qfloat8 keep one scale per output channel (axis 0) in the weight's dtype; qint4 packs two
+# weights per byte with a bf16 scale and shift per group along the input dimension. Checked
+# against quanto on tiny models in tests/unit/test_facts.py.
 QUANTO_BYTES = {Quantization.qint8: 1.0, Quantization.qfloat8: 1.0, Quantization.qint4: 0.5}
-QUANTO_INT4_GROUP = 128
+QUANTO_INT4_GROUPS = (128, 96, 64, 32)
+
+
+def quanto_int4_group(in_features: int) -> int:
+    """optimum-quanto 0.2.7's int4 group size (nn/qmodule.py, QModuleMixin.__init__): 128, else
+    the first of 96/64/32 dividing in_features when in_features > 128; otherwise one group per
+    output row."""
+    if in_features > 128:
+        for size in QUANTO_INT4_GROUPS:
+            if in_features % size == 0:
+                return size
+    return in_features
 
 
 class _Accountant:
@@ -188,11 +199,10 @@ def trace_activations(
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
     tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     ignore = _storage_keys(model.parameters()) | _storage_keys(model.buffers()) | _storage_keys(iter(tensors))
-    stash: list[torch.Tensor] = []
-    stash_hooks = [
-        module.register_forward_pre_hook(functools.partial(_stash_input, stash=stash))
+    save_hooks = [
+        module.register_forward_pre_hook(_save_input_for_backward)
         for module in model.modules() if saved_inputs_of and isinstance(module, saved_inputs_of)
-    ] if not gradient_checkpointing else []
+    ]
     accountant = _Accountant()
     mode = LiveBytesMode(ignore)
     try:
@@ -205,9 +215,8 @@ def trace_activations(
             del out, loss
             backward_peak = mode.peak
     finally:
-        for hook in hooks + stash_hooks:
+        for hook in hooks + save_hooks:
             hook.remove()
-        stash.clear()
     return ActivationFacts(
         saved_bytes=int(saved), forward_peak_bytes=int(forward_peak), backward_peak_bytes=int(backward_peak),
         flops=float(mode.flops + accountant.flops),
@@ -215,11 +224,16 @@ def trace_activations(
 
 
 def repeated_block_groups(model: torch.nn.Module) -> dict[str, list[list[int]]]:
-    """For each top-level ModuleList of 3+ blocks: its block indices grouped by structure
-    (class and parameter shapes). Blocks of one group cost the same activations and FLOPs."""
+    """For each top-level ModuleList of 3+ DiT transformer blocks: its block indices grouped by
+    structure (class and parameter shapes). Blocks of one group cost the same activations and
+    FLOPs. Only *TransformerBlock lists qualify: a DiT block maps tokens to tokens of the same
+    shape, so dropping some leaves a valid model, whereas UNet down/up blocks change resolution
+    and feed skip connections."""
     groups: dict[str, list[list[int]]] = {}
     for name, child in model.named_children():
         if not isinstance(child, torch.nn.ModuleList) or len(child) < 3:
+            continue
+        if not all(type(block).__name__.endswith("TransformerBlock") for block in child):
             continue
         by_signature: dict[tuple, list[int]] = {}
         for index, block in enumerate(child):
@@ -292,8 +306,23 @@ def _checkpoint_module(module: torch.nn.Module, *args: Any, checkpoint_fn: Any) 
     return checkpoint_fn(module.__call__, *args)
 
 
-def _stash_input(module: torch.nn.Module, args: tuple, stash: list[torch.Tensor]) -> None:
-    stash.extend(a for a in args if isinstance(a, torch.Tensor))
+class _SaveInput(torch.autograd.Function):
+    """Identity that keeps its input for backward, as quanto's QuantizedLinearFunction does for
+    every quantized layer even with a frozen weight. Under checkpointing, autograd's own rules
+    apply to it (dropped in forward, kept during recomputation)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.save_for_backward(tensor)
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _save_input_for_backward(module: torch.nn.Module, args: tuple) -> tuple:
+    return tuple(_SaveInput.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
 
 
 def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
@@ -334,7 +363,7 @@ def frozen_storage_bytes(model: torch.nn.Module, quantize: Quantization) -> int:
             weight = module.weight
             out_features, in_features = weight.shape[0], weight[0].numel()
             if quantize is Quantization.qint4:
-                groups = out_features * math.ceil(in_features / QUANTO_INT4_GROUP)
+                groups = out_features * (in_features // quanto_int4_group(in_features))
                 scales = 2 * groups * BF16  # scale and shift per group
             else:
                 scales = out_features * BF16  # one scale per output channel
