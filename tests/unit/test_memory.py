@@ -43,8 +43,11 @@ def test_zero2_offload_equals_deepspeed(world):
     s = sizes(world)
     assert model_states(layout, s) == ds_gpu
     # DeepSpeed: P * max(4N, 16) * 1.5. The offload term (16 bytes/param, pinned x1.5) dominates
-    # up to 4 GPUs; beyond, DeepSpeed assumes each process also pins an fp32 model copy.
-    assert abs(memory.host_bytes(layout, s)["offload"] - ds_cpu) <= 64
+    # up to 4 GPUs; beyond, DeepSpeed assumes each process also pins an fp32 model copy. The
+    # estimator leaves out the pinned bf16 copy of the partition that the real engine holds
+    # (param_buffer_of_bit16_for_cpu_offload_groups; tests/distributed measures it).
+    bf16_copy = int(memory.LP * (P // world) * world * PINNED_HOST_FACTOR)
+    assert abs(memory.host_bytes(layout, s)["offload"] - bf16_copy - ds_cpu) <= 64
 
 
 @pytest.mark.parametrize("world", [1, 2, 8, 64])

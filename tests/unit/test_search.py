@@ -20,7 +20,7 @@ def facts(params=2 * 10**9, trainable=None, act_gib=8.0, act_gc_gib=1.0, quantiz
         mode="full" if trainable == params else "lora", quantize=quantize, lora_rank=None,
         total_params=params, trainable_params=trainable, frozen_params=params - trainable,
         frozen_bytes=frozen_bytes, buffer_bytes=0, largest_layer_params=params // 100, block_params={},
-        param_numels=[params // 100] * 100, image_tokens=4096, text_tokens=512, input_bytes=10**6,
+        param_numels=[params // 100] * 100, largest_trainable_param=trainable // 100, image_tokens=4096, text_tokens=512, input_bytes=10**6,
         no_checkpointing=ActivationFacts(int(act_gib * GiB), int(act_gib * GiB), int(act_gib * GiB), 6.0 * params * 4608),
         checkpointing=ActivationFacts(int(act_gc_gib * GiB) // 2, int(act_gc_gib * GiB), int(act_gc_gib * GiB),
                                       8.0 * params * 4608),

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from zerotrain.models.catalog import ModelSpec
 
 # Bump when the measurement changes, so cached facts from older code are not reused.
-FACTS_VERSION = 4
+FACTS_VERSION = 5
 
 
 @dataclass
@@ -67,6 +67,8 @@ class ModelFacts:
     block_params: dict[str, int]
     param_numels: list[int]
     """Size of every parameter, for ZeRO-3's persistence threshold."""
+    largest_trainable_param: int
+    """Elements of the largest trainable tensor."""
     image_tokens: int
     text_tokens: int
     input_bytes: int

@@ -51,6 +51,8 @@ class Sizes:
     buffer_bytes: int
     world_size: int
     gpus_per_node: int
+    largest_trainable_param: int = 0
+    """Elements of the largest trainable tensor (sizes DeepSpeed's offload staging buffers)."""
     persistent_params: int = 0
     """ZeRO-3: parameters below stage3_param_persistence_threshold, kept whole on every GPU."""
     load_bytes_per_param: int = LP
@@ -156,6 +158,14 @@ def allgather_bucket(layout: Layout, s: Sizes, b: Buffers) -> int:
     return LP * min(b.allgather_bucket_size, s.trainable_params)
 
 
+def offload_grad_staging(layout: Layout, s: Sizes) -> int:
+    """ZeRO 1/2 with the optimizer offloaded stage each gradient through a bf16 GPU buffer the
+    size of the largest trainable parameter (temp_grad_buffer_for_gpu_offload)."""
+    if layout.stage in (1, 2) and layout.offload_optimizer != "none":
+        return LP * s.largest_trainable_param
+    return 0
+
+
 def init_flatten(layout: Layout, s: Sizes) -> int:
     """While DeepSpeed flattens the bf16 parameters into contiguous groups at init, the
     originals and the flat copy coexist: a transient second copy of the trainable bf16 weights
@@ -202,7 +212,8 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
         "forward": {**states, "bf16 grads": grads, "gathered params": gathered,
                     "activations": activation_peak, "inputs": input_bytes},
         "backward": {**states, "bf16 grads": grads, "gathered params": gathered,
-                     "reduce buckets": reduce_buckets(layout, s, b), "activations": activation_peak,
+                     "reduce buckets": reduce_buckets(layout, s, b), "offload staging": offload_grad_staging(layout, s),
+                     "activations": activation_peak,
                      "inputs": input_bytes},
         "optimizer step": {**states, "bf16 grads": grads, "fp32 grads": fp32_grads(layout, s, b),
                            "allgather bucket": allgather_bucket(layout, s, b)},
@@ -238,6 +249,14 @@ def host_bytes(layout: Layout, s: Sizes) -> dict[str, int]:
         offloaded += ranks * (FP32 + ADAM + FP32) * per_rank
         if layout.stage == 3:
             offloaded += ranks * LP * per_rank  # pinned grad_partitions_flat_buffer
+        else:
+            # stage_1_and_2.py: a pinned bf16 copy of the partition for the upload after the step
+            # (param_buffer_of_bit16_for_cpu_offload_groups) and a bf16 gradient staging buffer
+            # of the largest parameter (temp_grad_buffer_for_cpu_offload) ...
+            offloaded += ranks * LP * (per_rank + s.largest_trainable_param)
+            if layout.stage == 2 and layout.accumulation > 1:
+                # ... and, when gradients accumulate, bf16 accumulators (accumulated_grads_in_cpu).
+                offloaded += ranks * LP * per_rank
     if layout.offload_param == "cpu":
         offloaded += ranks * LP * s.trainable_params // s.world_size
         if s.frozen_shardable:

@@ -21,8 +21,8 @@ PRESETS: dict[str, list[str]] = {
         "--model", "flux-dev", "--resolution", "1024", "--gpus", "8xA100-80GB", "--mode", "full",
         "--global-batch", "8"],
     "sdxl-full-1xRTX4090-24GB.json": [
-        "--model", "sdxl-base", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "full",
-        "--global-batch", "8"],
+        "--model", "sdxl-base", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--host-memory", "128GiB",
+        "--mode", "full", "--global-batch", "8"],
     "sd3.5-large-full-8xH100-80GB.json": [
         "--model", "sd3.5-large", "--resolution", "1024", "--gpus", "8xH100-80GB", "--mode", "full",
         "--global-batch", "16"],

@@ -97,6 +97,7 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         largest_layer_params=facts.largest_layer_params, buffer_bytes=facts.buffer_bytes,
         world_size=hw.world_size, gpus_per_node=hw.gpus_per_node,
         persistent_params=sum(n for n in facts.param_numels if n <= threshold),
+        largest_trainable_param=facts.largest_trainable_param,
         total_params=facts.total_params,
     )
 

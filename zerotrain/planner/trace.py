@@ -414,6 +414,7 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         largest_layer_params=largest, block_params=block_params(model),
         param_numels=sorted(p.numel() for p in params),
+        largest_trainable_param=max((p.numel() for p in params if p.requires_grad), default=0),
         image_tokens=image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
         no_checkpointing=no_gc, checkpointing=gc, trace_seconds=round(time.perf_counter() - start, 3),
     )

@@ -1,0 +1,244 @@
+"""The planner's per-rank byte formulas against what a real DeepSpeed engine holds.
+
+Two processes (gloo on 127.0.0.1, DS_ACCELERATOR=cpu) run engine_bytes_worker.py. For each of
+ZeRO 1/2/3 x offload_optimizer none/cpu x full/LoRA, a worker loads tiny-flux with
+from_pretrained (from a save_pretrained folder), adds peft LoRA for the LoRA cases, builds the
+engine from zerotrain's own DeepSpeed config (deepspeed_config), and runs one optimizer step of
+two micro-batches. It reads from DeepSpeed's attributes what each rank holds (see the worker
+for where and when each is measured):
+
+    bf16 params       ZeRO 1/2 bit16_groups_flat + frozen params; ZeRO-3 ds_tensor partitions
+                      (lp_param_buffer) + persistent params
+    fp32 master       single_partition_of_fp32_groups / fp32_partitioned_groups_flat
+    optimizer states  exp_avg + exp_avg_sq in the basic optimizer's state
+    bf16 grads        param .grad / grads_in_partition (ZeRO 1/2), grad_partitions_flat_buffer
+                      (ZeRO-3), after a backward that is not an accumulation boundary
+    fp32 grads        the fp32 gradient partition the basic optimizer steps on
+
+and the test compares each with the planner's term (memory.lp_params, master_weights,
+optimizer_states, lp_grads, fp32_grads) on Sizes built the planner's way (facts measured on the
+meta device, search.sizes_from) for 2 GPUs on one node.
+
+Offload. On the CPU accelerator the "GPU" and the host are the same memory, so each buffer is
+placed where DeepSpeed puts it on a GPU machine: with offload_optimizer=cpu, the fp32 master,
+the moments and the fp32 gradients (and ZeRO-3's pinned grad_partitions_flat_buffer) are host
+buffers. The planner's GPU terms for them are then 0, and their sum is compared with the
+planner's host term: host_bytes(...)["offload"] / PINNED_HOST_FACTOR / gpus_per_node, the
+unpadded bytes of one rank. Offload uses DeepSpeedCPUAdam, whose C++ op JIT-compiles on first
+use (about 2.5 min on the 2-core CI machine, then cached in ~/.cache/torch_extensions); where it
+cannot build, the offload cases are skipped with the compiler's message.
+
+Tolerance ("up to padding"), in elements of the term's dtype:
+- ZeRO 1/2 pad each flat group to a multiple of 2 x world (nccl_start_alignment_factor x
+  world): 2 x world per group. ZeRO-2's gradient partition also holds the whole gradient of a
+  parameter that straddles the partition's edges: plus 2 x the largest trainable parameter.
+- ZeRO-3 pads every parameter to a multiple of world: world - 1 per parameter tensor. Its
+  fp32 gradient is built per sub-group, and a sub-group closes with the parameter that crosses
+  sub_group_size: plus one partition of the largest trainable parameter.
+The sizes are small so the padding bounds stay far below any wrong term (e.g. a missing
+division by world)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+CASES = [(stage, offload, mode) for stage in (1, 2, 3) for offload in ("none", "cpu") for mode in ("full", "lora")]
+WORKER = Path(__file__).with_name("engine_bytes_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+# First use JIT-compiles DeepSpeed's CPU ops (shm comm, fused Adam, CPU Adam): minutes once.
+TIMEOUT_S = 900
+ELEMENT = {"bf16 params": 2, "fp32 master": 4, "optimizer states": 8, "bf16 grads": 2, "fp32 grads": 4}
+
+
+def case_id(stage: int, offload: str, mode: str) -> str:
+    return f"zero{stage}-offload_{offload}-{mode}"
+
+
+def run_config(cache_dir: Path):
+    from zerotrain.config.sections import RunConfig
+
+    return RunConfig.model_validate({
+        "model": {"name_or_path": "tiny-flux"},
+        # micro 1 x accumulation 2 x world 2: the first backward is no accumulation boundary
+        "training": {"global_batch_size": 4, "micro_batch_size": 1, "gradient_checkpointing": False,
+                     "lora": {"rank": 4}},
+        "data": {"resolution": 64, "text_tokens": 8},
+        "hardware": {"gpus": f"{WORLD}xH100-80GB"},
+        "planner": {
+            # Small buckets for a 79k-parameter model, so buffers do not dominate.
+            "reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
+            # Some parameters (biases, norms, LoRA A/B) persist under ZeRO-3, most are partitioned.
+            "stage3_param_persistence_threshold": 200,
+            # Below the full model's partition (39k), above LoRA's: exercises both sides of the min.
+            "sub_group_size": 12000,
+            "cache_dir": str(cache_dir),
+        },
+    })
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engine_bytes")
+
+
+@pytest.fixture(scope="module")
+def engine_bytes(workdir) -> dict[str, list[dict]]:
+    """Per case id, what each rank reported (its measurement, its skip reason or its error)."""
+    import torch
+
+    from zerotrain.models.catalog import resolve_model
+
+    run = run_config(workdir / "facts")
+    spec = resolve_model(run.model)
+    spec.denoiser_class().from_config(spec.config).to(torch.bfloat16).save_pretrained(workdir / "model")
+    cases = [{"id": case_id(*c), "stage": c[0], "offload": c[1], "mode": c[2]} for c in CASES]
+    cases_file = workdir / "cases.json"
+    cases_file.write_text(json.dumps({"model_dir": str(workdir / "model"), "run": run.model_dump(mode="json"),
+                                      "cases": cases}))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    logs = [workdir / f"rank{rank}.log" for rank in range(WORLD)]
+    procs = []
+    for rank in range(WORLD):
+        with logs[rank].open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), str(cases_file), str(workdir)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
+            ))
+    deadline = time.monotonic() + TIMEOUT_S
+    # A rank that dies leaves the other waiting in a collective: stop both.
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline \
+            and not any(p.poll() not in (None, 0) for p in procs):
+        time.sleep(0.5)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    tails = "\n".join(f"--- rank {r} ---\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
+    if any(proc.returncode != 0 for proc in procs):
+        pytest.fail(f"DeepSpeed workers exited with {[p.returncode for p in procs]}:\n{tails}")
+    return {c["id"]: [json.loads((workdir / f"{c['id']}.rank{r}.json").read_text()) for r in range(WORLD)]
+            for c in cases}
+
+
+@pytest.fixture(scope="module")
+def planner(workdir):
+    """Facts and Sizes per mode, the way `zerotrain plan` builds them."""
+    from zerotrain.hardware import hardware_facts
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.facts import measure_model
+    from zerotrain.planner.search import buffers_from, sizes_from
+
+    out = {}
+    for mode in ("full", "lora"):
+        run = run_config(workdir / "facts").model_copy(deep=True)
+        run.training.mode = mode
+        facts = measure_model(resolve_model(run.model), run, cache=False)
+        hw = hardware_facts(run.hardware)
+        assert hw.world_size == WORLD and hw.gpus_per_node == WORLD
+        out[mode] = (facts, sizes_from(facts, hw, run), buffers_from(run), run)
+    return out
+
+
+def measurements(engine_bytes, stage: int, offload: str, mode: str) -> list[dict]:
+    ranks = engine_bytes[case_id(stage, offload, mode)]
+    for rank, result in enumerate(ranks):
+        if result.get("skip"):
+            pytest.skip(result["skip"])
+        assert result["ok"], f"rank {rank} failed:\n{result['error']}"
+    return [result["measured"] for result in ranks]
+
+
+def layout_for(stage: int, offload: str, run):
+    from zerotrain.planner.memory import Layout
+
+    micro = run.training.micro_batch_size
+    return Layout(stage, offload_optimizer=offload, micro_batch=micro,
+                  accumulation=run.training.global_batch_size // (micro * WORLD))
+
+
+def tolerance(term: str, stage: int, m: dict) -> int:
+    """Bytes by which DeepSpeed's padding may exceed or fall short of the planner's term."""
+    if stage < 3:
+        elements = 2 * WORLD * m["param_groups"]
+        if term == "bf16 grads" and stage == 2:
+            elements += 2 * m["largest_trainable_param"]
+    else:
+        tensors = m["param_tensors"] if term == "bf16 params" else m["trainable_tensors"]
+        elements = (WORLD - 1) * tensors
+        if term == "fp32 grads":
+            elements += math.ceil(m["largest_trainable_param"] / WORLD)
+    return ELEMENT[term] * elements
+
+
+def compare(measured: dict[str, int], predicted: dict[str, int], stage: int, m: dict, rank: int) -> list[str]:
+    return [
+        f"rank {rank} {term}: engine holds {measured[term]} B, planner predicts {predicted[term]} B "
+        f"(padding tolerance {tolerance(term, stage, m)} B)"
+        for term in predicted if abs(measured[term] - predicted[term]) > tolerance(term, stage, m)
+    ]
+
+
+@pytest.mark.parametrize(("stage", "offload", "mode"), CASES, ids=[case_id(*c) for c in CASES])
+def test_gpu_bytes_match_planner(engine_bytes, planner, stage, offload, mode):
+    """bf16 params, fp32 master, optimizer states, bf16 and fp32 grads on each rank's GPU."""
+    from zerotrain.planner import memory
+
+    facts, s, b, run = planner[mode]
+    layout = layout_for(stage, offload, run)
+    predicted = {
+        "bf16 params": memory.lp_params(layout, s),
+        "fp32 master": memory.master_weights(layout, s),
+        "optimizer states": memory.optimizer_states(layout, s),
+        "bf16 grads": memory.lp_grads(layout, s),
+        "fp32 grads": memory.fp32_grads(layout, s, b),
+    }
+    errors = []
+    for rank, m in enumerate(measurements(engine_bytes, stage, offload, mode)):
+        assert (m["trainable_params"], m["total_params"]) == (facts.trainable_params, facts.total_params), \
+            "the planner's facts count other parameters than the engine trains"
+        if stage == 3:
+            assert m["persistent_numel"] == s.persistent_params, "ZeRO-3 persists other parameters than planned"
+        errors += compare(m["device"], predicted, stage, m, rank)
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize(("stage", "offload", "mode"), [c for c in CASES if c[1] == "cpu"],
+                         ids=[case_id(*c) for c in CASES if c[1] == "cpu"])
+def test_offloaded_bytes_match_planner_host_term(engine_bytes, planner, stage, offload, mode):
+    """fp32 master + moments + fp32 grads, ZeRO-3's pinned bf16 grad partition, and ZeRO 1/2's
+    pinned staging buffers (bf16 partition copy, largest-gradient buffer, CPU accumulators)
+    per rank on the host, against the planner's offload term per rank before its pinned-buffer
+    factor."""
+    from zerotrain.planner import memory
+
+    _, s, _, run = planner[mode]
+    layout = layout_for(stage, offload, run)
+    predicted = memory.host_bytes(layout, s)["offload"] / memory.PINNED_HOST_FACTOR / s.gpus_per_node
+    for rank, m in enumerate(measurements(engine_bytes, stage, offload, mode)):
+        staging = {k: v for k, v in m["staging"].items() if k.startswith("host ")}
+        held = sum(m["host"].values()) + sum(staging.values())
+        slack = sum(tolerance(term, stage, m) for term in m["host"]) + 2 * 2 * m["largest_param"] * bool(staging)
+        assert abs(held - predicted) <= slack, (
+            f"rank {rank}: offloaded {m['host']} = {held} B, planner's host term per rank "
+            f"{predicted:.0f} B (padding tolerance {slack} B)"
+        )
