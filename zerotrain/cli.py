@@ -117,14 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "plan":
-            return run_plan(args, argv)
+        return run_plan(args, argv)
     except ZerotrainError as err:
         if args.debug:
             raise
         print(f"zerotrain: error: {err}", file=sys.stderr)
         return 2
-    return 2
+    except Exception as err:  # a library rejecting input zerotrain did not anticipate
+        if args.debug:
+            raise
+        detail = " ".join(str(err).split())[:300]
+        print(f"zerotrain: error: {type(err).__name__}: {detail} (run `zerotrain --debug {args.command} ...` "
+              "for the traceback)", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

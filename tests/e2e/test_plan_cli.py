@@ -123,3 +123,12 @@ def test_no_gpu_and_no_profile_says_how_to_name_one():
 def test_debug_shows_the_traceback():
     result = zerotrain("--debug", "plan", "--model", "nope", "--gpus", "8xA100-80GB")
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_a_library_error_is_still_one_line(tmp_path, capsys):
+    config_json = tmp_path / "config.json"
+    config_json.write_text('{"_class_name": "FluxTransformer2DModel", "num_layers": "many"}')
+    code = main(["plan", "--model", str(config_json), "--gpus", "8xA100-80GB", "--resolution", "256"])
+    err = capsys.readouterr().err
+    assert code in (2, 3)
+    assert err.count("\n") == 1 and "Traceback" not in err

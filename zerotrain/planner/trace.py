@@ -187,7 +187,7 @@ def trace_activations(
     Parameter gradients are dropped as soon as they are accumulated, as ZeRO's reduce hooks
     move them out of the autograd graph. `saved_inputs_of` lists module types whose forward
     inputs stay saved for backward even when their weight is frozen (quanto's
-    QuantizedLinearFunction saves its input unconditionally)."""
+    QuantizedLinearFunction saves its input whenever autograd records it)."""
     if gradient_checkpointing:
         # Non-reentrant checkpointing as diffusers uses it; RNG state is not needed for a trace.
         model.enable_gradient_checkpointing(
