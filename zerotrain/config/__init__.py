@@ -3,6 +3,7 @@
 from zerotrain.config.loader import load_config
 from zerotrain.config.sections import (
     DataConfig,
+    DatasetConfig,
     HardwareConfig,
     LoraConfig,
     Mode,
@@ -16,6 +17,6 @@ from zerotrain.config.sections import (
 )
 
 __all__ = [
-    "DataConfig", "HardwareConfig", "LoraConfig", "Mode", "ModelConfig", "OptimizerConfig",
+    "DataConfig", "DatasetConfig", "HardwareConfig", "LoraConfig", "Mode", "ModelConfig", "OptimizerConfig",
     "PlannerConfig", "Quantization", "RunConfig", "TrainingConfig", "load_config", "parse_bytes",
 ]

@@ -83,6 +83,8 @@ class TrainingConfig(_Section):
     """Images per GPU per forward pass; auto lets the planner choose."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute activations in backward; auto lets the planner choose."""
+    seed: int = 0
+    """Seed for the sampling order, crops, noise and initialisation."""
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -101,12 +103,57 @@ class TrainingConfig(_Section):
         return self
 
 
+class DatasetConfig(_Section):
+    path: Path
+    """A folder of images (searched recursively; captions in sidecar files of the same stem) or a
+    JSONL manifest of {"image": path, "caption": text} lines, paths relative to the manifest."""
+    repeats: int = Field(1, ge=1, le=10_000)
+    """How many times each image of this dataset counts per epoch."""
+    caption_extension: str = ".txt"
+    """Extension of sidecar caption files (folders only)."""
+
+
 class DataConfig(_Section):
     resolution: int = Field(1024, ge=64, le=8192)
     """Target training resolution R in pixels; buckets have about R x R pixels."""
     text_tokens: int | None = Field(None, ge=1)
     """Text sequence length fed to the denoiser; the family's default when not given
     (Flux 512 T5 tokens, SD3 77 CLIP + 256 T5, SDXL/SD1.5 77)."""
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    """Image folders or manifests to train on, each with its repeat count."""
+    bucket_step: int = Field(64, ge=8, le=512)
+    """Bucket sides are multiples of this many pixels (raised to the model's pixel factor)."""
+    max_aspect_ratio: float = Field(2.0, ge=1.0, le=8.0)
+    """Widest (or tallest) bucket, as long side / short side."""
+    crop: Literal["center", "random"] = "center"
+    """Where to crop an image that was resized to cover its bucket."""
+    upscale: Literal["allow", "skip"] = "allow"
+    """Images smaller than their bucket: upscale them, or skip them (reported)."""
+    min_image_size: int = Field(64, ge=1)
+    """Images whose shorter side is below this many pixels are rejected as too small."""
+    max_image_pixels: int = Field(200_000_000, ge=1)
+    """Images with more pixels are rejected as possible decompression bombs."""
+    background: tuple[int, int, int] = (255, 255, 255)
+    """RGB colour that transparent pixels are composited onto."""
+    bad_files: Literal["skip", "strict"] = "skip"
+    """skip: drop unreadable or unusable files and report them; strict: stop at the first one."""
+    max_rejected_fraction: float = Field(0.10, ge=0.0, le=1.0)
+    """Abort when more than this fraction of the images is rejected."""
+    missing_caption: Literal["empty", "filename", "skip"] = "empty"
+    """An image without a caption trains with an empty caption, its file name, or is skipped."""
+    flip: bool = False
+    """Also cache horizontally flipped latents and use them for half of the samples."""
+    cache_dir: Path = Path("cache")
+    """Where latents and text embeddings are cached (safetensors shards with an index)."""
+    num_workers: int = Field(2, ge=0, le=64)
+    """DataLoader worker processes per rank."""
+
+    @field_validator("background")
+    @classmethod
+    def _rgb(cls, value: tuple[int, int, int]) -> tuple[int, int, int]:
+        if any(not 0 <= c <= 255 for c in value):
+            raise ValueError("each channel must be 0-255")
+        return value
 
 
 class OptimizerConfig(_Section):
