@@ -1,4 +1,5 @@
-"""`zerotrain plan`: the memory-plan dry run. Other commands arrive with their issues.
+"""zerotrain: `plan` (the memory-plan dry run) and `cache` (encode a dataset once). Other
+commands arrive with their issues.
 
 Bad input prints one line (what, where, what to do) and exits 2; --debug shows the traceback."""
 
@@ -55,7 +56,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-config", type=Path, metavar="PATH", help="write the chosen DeepSpeed JSON here")
     p.add_argument("--no-cache", action="store_true", help="measure the model again instead of using cached facts")
     p.add_argument("--all", action="store_true", help="list every candidate, not the best per layout")
+    c = commands.add_parser("cache", help="decode, bucket and encode the dataset into the latent/text cache; "
+                                      "launch with torchrun or srun to share the work across processes")
+    c.add_argument("--config", type=Path, help="run config (YAML, JSON or TOML)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (repeatable)")
     return parser
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    import torch
+
+    from zerotrain.data.prepare import prepare
+    from zerotrain.distributed import init_process_group, topology
+    from zerotrain.models.catalog import resolve_model
+
+    run = load_config(args.config, args.overrides)
+    topo = topology()
+    init_process_group(topo)
+    device = f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu"
+    prepared = prepare(run, resolve_model(run.model), topo, device)
+    if topo.is_main:
+        for line in prepared.summary():
+            print(line)
+        print(f"cache ready at {run.data.cache_dir}: {len(prepared.planned)} images, {len(prepared.samples)} samples "
+              "per epoch")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -117,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
-        return run_plan(args, argv)
+        return run_plan(args, argv) if args.command == "plan" else run_cache(args)
     except ZerotrainError as err:
         if args.debug:
             raise

@@ -1,0 +1,292 @@
+"""The latent and text-embedding cache: encode once with the family's real VAE and text
+encoders, store safetensors shards, train from memory-mapped shards.
+
+Layout of data.cache_dir:
+    latents/<rank>-<uuid>.safetensors   tensors "<key>.mean", "<key>.std" (+ ".flip_mean", ".flip_std")
+    text/<rank>-<uuid>.safetensors      tensors "<key>.<name>" (prompt_embeds, pooled_prompt_embeds)
+    index.json                          key -> shard, merged after every build (a speed-up only)
+
+Keys are content addresses. A latent key hashes the image file's identity (path, size,
+mtime), its bucket and crop, the VAE's identity and the stored dtype; a text key hashes the
+caption, the text encoders' identity and the sequence length. A changed image or caption gets a
+new key, so only it is encoded again; nothing else needs invalidating.
+
+Shards are written to a temporary name and renamed when complete, so a build killed halfway
+leaves only whole shards (and stray temporaries, removed on the next build), and a rerun
+encodes only what is missing. Under torch.distributed every rank encodes its share of what is
+missing; rank 0 merges the index after a barrier."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from zerotrain.config.sections import RunConfig
+from zerotrain.data.buckets import CropPlan, apply_crop, assign_bucket, bucket_step, make_buckets, plan_crop
+from zerotrain.data.dataset import Discovery, Item, Verdict
+from zerotrain.data.images import ImageRejected, load_rgb
+from zerotrain.errors import ZerotrainError
+from zerotrain.models.catalog import ModelSpec
+from zerotrain.models.families import DEFAULT_TEXT_TOKENS, pixel_factor
+
+CACHE_VERSION = 1
+STORE_DTYPE = torch.bfloat16  # training runs in bf16; halves the cache
+# Items per shard: big enough that opening shards is cheap, small enough that a kill loses little.
+SHARD_ITEMS = 64
+# Files whose contents identify the VAE and text encoders of a diffusers model folder.
+ENCODER_FOLDERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One item as the cache holds it."""
+
+    item: Item
+    crop: CropPlan
+    bucket_id: int
+    latent_key: str
+    text_key: str
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def encoder_identity(folder: Path) -> str:
+    """Identity of a model folder's VAE and text encoders without loading them: their config
+    files' contents, and every other file's name, size and modification time."""
+    parts = []
+    for sub in ENCODER_FOLDERS:
+        for path in sorted((folder / sub).glob("*")) if (folder / sub).is_dir() else []:
+            stat = path.stat()
+            body = path.read_text() if path.suffix == ".json" and stat.st_size < 1_000_000 else (stat.st_size, stat.st_mtime_ns)
+            parts.append((sub, path.name, body))
+    if not parts:
+        raise ZerotrainError(f"{folder}: no vae/ or text_encoder/ folders; caching needs a full diffusers model folder")
+    return _digest(parts)
+
+
+def model_folder(spec: ModelSpec) -> Path:
+    """The local diffusers folder that holds the VAE and text encoders (downloaded from the hub
+    once for a hub id)."""
+    if spec.pretrained is None:
+        raise ZerotrainError(f"model.name_or_path={spec.name}: caching needs the model's VAE and text encoders; "
+                             "point it at a diffusers model folder or hub id, not a bare config.json")
+    local = Path(spec.pretrained)
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(spec.pretrained, allow_patterns=["model_index.json", *(f"{s}/*" for s in ENCODER_FOLDERS)]))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
+        raise ZerotrainError(f"model.name_or_path={spec.name}: cannot fetch the VAE and text encoders from the hub "
+                             f"({type(err).__name__}); download the model folder and point to it") from err
+
+
+def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: str) -> tuple[list[Planned], list[Verdict]]:
+    """Bucket, crop and keys for every item; items too small for their bucket are skipped when
+    data.upscale=skip."""
+    data = run.data
+    buckets = make_buckets(data.resolution, bucket_step(data.bucket_step, pixel_factor(spec)), data.max_aspect_ratio)
+    text_tokens = data.text_tokens or DEFAULT_TEXT_TOKENS[spec.family]
+    planned, skipped = [], []
+    for item in discovery.items:
+        bucket = assign_bucket(item.width, item.height, buckets)
+        # A random crop is drawn once per image and seed, so the cache stays valid across runs.
+        rng = random.Random(_digest(run.training.seed, str(item.image)))
+        crop = plan_crop(item.width, item.height, bucket, data.crop, rng)
+        if crop.upscaled and data.upscale == "skip":
+            skipped.append(Verdict(item.image, f"smaller than its bucket {bucket[0]}x{bucket[1]} (data.upscale=skip)"))
+            continue
+        stat = item.image.stat()
+        latent_key = _digest(CACHE_VERSION, str(item.image.resolve()), stat.st_size, stat.st_mtime_ns, crop,
+                             identity, str(STORE_DTYPE), data.flip)
+        text_key = _digest(CACHE_VERSION, item.caption, identity, text_tokens, spec.family)
+        planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_key))
+    return planned, skipped
+
+
+def shard_index(folder: Path) -> dict[str, str]:
+    """key -> shard file name, from the headers of every complete shard in `folder`."""
+    index: dict[str, str] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as handle:
+            for name in handle:
+                index[name.split(".", 1)[0]] = shard.name
+    return index
+
+
+def write_shard(folder: Path, rank: int, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write a shard under a temporary name and rename it when complete."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"{rank:04d}-{uuid.uuid4().hex[:12]}.safetensors"
+    tmp = final.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"version": str(CACHE_VERSION)})
+    os.replace(tmp, final)
+    return final
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+@dataclass
+class BuildReport:
+    latents_encoded: int
+    texts_encoded: int
+    latents_cached: int
+    texts_cached: int
+    rejected: list[Verdict]
+
+
+def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path, rank: int = 0, world: int = 1,
+          device: str | torch.device = "cpu", batch_size: int = 4) -> BuildReport:
+    """Encode whatever the cache is missing; this rank takes every world-th missing entry."""
+    from zerotrain.models.conditioning import encode_latents, encode_prompts, free, load_encoders
+
+    root = run.data.cache_dir
+    latents_dir, text_dir = root / "latents", root / "text"
+    have_latents, have_texts = shard_index(latents_dir), shard_index(text_dir)
+    missing_latents = [p for p in planned if p.latent_key not in have_latents]
+    seen: set[str] = set(have_texts)
+    missing_texts = []
+    for p in planned:
+        if p.text_key not in seen:
+            seen.add(p.text_key)
+            missing_texts.append(p)
+    mine_latents, mine_texts = missing_latents[rank::world], missing_texts[rank::world]
+    rejected: list[Verdict] = []
+    if mine_latents or mine_texts:
+        encoders = load_encoders(spec, str(source), device=device)
+        try:
+            text_tokens = run.data.text_tokens or DEFAULT_TEXT_TOKENS[spec.family]
+            for shard in _chunks(mine_texts, SHARD_ITEMS):
+                tensors = {}
+                for batch in _chunks(shard, batch_size):
+                    out = encode_prompts(encoders, [p.item.caption for p in batch], text_tokens)
+                    for i, p in enumerate(batch):
+                        tensors.update({f"{p.text_key}.{name}": value[i].to(STORE_DTYPE).cpu() for name, value in out.items()})
+                write_shard(text_dir, rank, tensors)
+            for shard in _chunks(mine_latents, SHARD_ITEMS):
+                tensors = {}
+                by_bucket: dict[int, list[Planned]] = {}
+                for p in shard:
+                    by_bucket.setdefault(p.bucket_id, []).append(p)
+                for group in by_bucket.values():
+                    for batch in _chunks(group, batch_size):
+                        rejected += _encode_images(encoders, batch, run, device, tensors, encode_latents)
+                if tensors:
+                    write_shard(latents_dir, rank, tensors)
+        finally:
+            free(encoders)
+    return BuildReport(len(mine_latents), len(mine_texts), len(planned) - len(missing_latents),
+                       len(planned) - len(missing_texts), rejected)
+
+
+def _encode_images(encoders, batch: list[Planned], run: RunConfig, device, tensors: dict, encode_latents) -> list[Verdict]:
+    """Decode, crop and encode one same-bucket batch into `tensors`; files that fail to decode
+    now (truncated data past the header, a file that vanished) become verdicts."""
+    pixels, kept, rejected = [], [], []
+    for p in batch:
+        try:
+            image = load_rgb(p.item.image, run.data.background, min_target=p.crop.resized_size)
+        except (ImageRejected, OSError) as err:
+            rejected.append(Verdict(p.item.image, getattr(err, "reason", "unreadable")))
+            continue
+        cropped = apply_crop(image, p.crop)
+        array = torch.frombuffer(bytearray(cropped.tobytes()), dtype=torch.uint8)
+        pixels.append(array.view(cropped.height, cropped.width, 3).permute(2, 0, 1))
+        kept.append(p)
+    if not kept:
+        return rejected
+    x = torch.stack(pixels).to(device=device, dtype=torch.float32) / 127.5 - 1.0
+    variants = [("", x)] + ([("flip_", torch.flip(x, dims=[3]))] if run.data.flip else [])
+    for prefix, images in variants:
+        mean, std = encode_latents(encoders, images)
+        for i, p in enumerate(kept):
+            tensors[f"{p.latent_key}.{prefix}mean"] = mean[i].to(STORE_DTYPE).cpu()
+            tensors[f"{p.latent_key}.{prefix}std"] = std[i].to(STORE_DTYPE).cpu()
+    return rejected
+
+
+def write_index(root: Path) -> dict[str, dict[str, str]]:
+    """Merge every shard's keys into index.json (atomically) and remove stray temporaries."""
+    for tmp in root.glob("*/*.tmp"):
+        tmp.unlink(missing_ok=True)
+    index = {"version": CACHE_VERSION, "latents": shard_index(root / "latents"), "text": shard_index(root / "text")}
+    tmp = root / f"index.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(index))
+    os.replace(tmp, root / "index.json")
+    return index
+
+
+def read_index(root: Path) -> dict[str, dict[str, str]]:
+    """index.json when it is current, else rebuilt from the shards (index.json is only a speed-up)."""
+    path = root / "index.json"
+    if path.is_file():
+        try:
+            index = json.loads(path.read_text())
+            if index.get("version") == CACHE_VERSION:
+                return index
+        except ValueError:
+            pass
+    return {"version": CACHE_VERSION, "latents": shard_index(root / "latents"), "text": shard_index(root / "text")}
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """Training samples read only from the cache, through memory-mapped safetensors shards.
+
+    Sample i is planned[i]; a sample is a dict of tensors: latent mean and std (the VAE's
+    posterior, so training draws a fresh latent each time), the text conditioning, and the
+    bucket, original size and crop offsets that SDXL's micro-conditioning needs."""
+
+    def __init__(self, planned: list[Planned], root: Path, flip: bool = False) -> None:
+        index = read_index(root)
+        missing = [p for p in planned if p.latent_key not in index["latents"] or p.text_key not in index["text"]]
+        if missing:
+            raise ZerotrainError(f"{len(missing)} images are not in the cache at {root} (first: {missing[0].item.image}); "
+                                 "run `zerotrain cache --config ...` first")
+        self.planned, self.root, self.flip, self.index = planned, root, flip, index
+        self._handles: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.planned)
+
+    def _open(self, kind: str, name: str):
+        handle = self._handles.get(f"{kind}/{name}")
+        if handle is None:  # opened lazily, so each DataLoader worker has its own handles
+            handle = self._handles[f"{kind}/{name}"] = safe_open(self.root / kind / name, framework="pt")
+        return handle
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        p = self.planned[i]
+        latents = self._open("latents", self.index["latents"][p.latent_key])
+        text = self._open("text", self.index["text"][p.text_key])
+        sample = {
+            "latent_mean": latents.get_tensor(f"{p.latent_key}.mean"),
+            "latent_std": latents.get_tensor(f"{p.latent_key}.std"),
+            "original_size": torch.tensor(p.crop.original_size[::-1]),  # (height, width), as diffusers orders it
+            "crop_top_left": torch.tensor((p.crop.crop_top, p.crop.crop_left)),
+            "target_size": torch.tensor(p.crop.bucket[::-1]),
+        }
+        for name in text:
+            if name.startswith(p.text_key + "."):
+                sample[name.split(".", 1)[1]] = text.get_tensor(name)
+        return sample
+
+    def __getstate__(self) -> dict:  # open handles do not cross process boundaries
+        return {**self.__dict__, "_handles": {}}

@@ -1,0 +1,165 @@
+"""Finding the training images: folders of images with sidecar captions (the kohya/SimpleTuner
+convention) and JSONL manifests, several datasets with repeat counts, and a verdict with a
+reason for every file that cannot be used."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zerotrain.config.sections import DataConfig, DatasetConfig
+from zerotrain.data.images import ImageInfo, ImageRejected, probe
+from zerotrain.errors import ZerotrainError
+
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"}
+# Rejections listed by path in a summary; the rest are counted.
+SHOWN_PATHS = 3
+
+
+@dataclass(frozen=True)
+class Item:
+    """One usable image: where it is, its caption, its upright size, its dataset."""
+
+    image: Path
+    caption: str
+    width: int
+    height: int
+    dataset: int
+    repeats: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A file that was not used as given, and why."""
+
+    path: Path
+    reason: str
+    rejected: bool = True
+    """False for notes (e.g. a missing caption replaced by the policy)."""
+
+
+@dataclass
+class Discovery:
+    items: list[Item] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def rejected(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.rejected]
+
+    def samples(self) -> list[int]:
+        """Item index per sample of an epoch, each item repeated by its dataset's count."""
+        return [i for i, item in enumerate(self.items) for _ in range(item.repeats)]
+
+    def summary(self) -> list[str]:
+        """Counts by reason with the first few paths, for the person running the job."""
+        lines = [f"{len(self.items)} images, {len(self.samples())} samples per epoch with repeats"]
+        for rejected, label in ((True, "rejected"), (False, "note")):
+            by_reason = Counter(v.reason for v in self.verdicts if v.rejected == rejected)
+            for reason, count in by_reason.most_common():
+                paths = [str(v.path) for v in self.verdicts if v.reason == reason][:SHOWN_PATHS]
+                more = f" (+{count - len(paths)} more)" if count > len(paths) else ""
+                lines.append(f"{label}: {reason}: {count}: {', '.join(paths)}{more}")
+        return lines
+
+
+def read_caption(path: Path) -> str:
+    """A caption file's text, stripped; raises UnicodeDecodeError for text that is not UTF-8."""
+    return path.read_bytes().decode("utf-8").strip()
+
+
+def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[Path, str | None]]:
+    """(image, caption or None when it has no caption file) for a folder; notes stray captions."""
+    files = sorted(p for p in dataset.path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
+    stems = {p.with_suffix("") for p in images}
+    entries = []
+    for caption_file in (p for p in files if p.suffix == dataset.caption_extension):
+        if caption_file.with_suffix("") not in stems:
+            discovery.verdicts.append(Verdict(caption_file, "caption without image", rejected=False))
+    for image in images:
+        caption_file = image.with_suffix(dataset.caption_extension)
+        if not caption_file.is_file():
+            entries.append((image, None))
+            continue
+        try:
+            entries.append((image, read_caption(caption_file)))
+        except UnicodeDecodeError:
+            discovery.verdicts.append(Verdict(image, f"caption not UTF-8 ({caption_file.name})"))
+    return entries
+
+
+def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[Path, str | None]]:
+    root = dataset.path.parent
+    entries = []
+    for number, line in enumerate(dataset.path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            image, caption = record["image"], record.get("caption")
+            if not isinstance(image, str) or not (caption is None or isinstance(caption, str)):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            discovery.verdicts.append(Verdict(dataset.path, f"manifest line {number} is not "
+                                              '{"image": path, "caption": text}'))
+            continue
+        entries.append((root / image, caption))
+    return entries
+
+
+def discover(data: DataConfig) -> Discovery:
+    """Every dataset's images with captions and sizes (headers only), and a verdict per problem.
+    Applies the missing-caption policy; does not apply the rejection policy (see enforce)."""
+    if not data.datasets:
+        raise ZerotrainError("data.datasets is empty: add a folder or a JSONL manifest, e.g. "
+                             "--set 'data.datasets=[{path: ./images}]'")
+    discovery = Discovery()
+    for index, dataset in enumerate(data.datasets):
+        if dataset.path.is_dir():
+            entries = _folder_entries(dataset, discovery)
+        elif dataset.path.is_file() and dataset.path.suffix == ".jsonl":
+            entries = _manifest_entries(dataset, discovery)
+        else:
+            raise ZerotrainError(f"data.datasets[{index}].path: {dataset.path} is neither a folder nor a .jsonl "
+                                 "manifest")
+        for image, caption in entries:
+            if not image.is_file():
+                discovery.verdicts.append(Verdict(image, "missing file"))
+                continue
+            if caption is None:
+                if data.missing_caption == "skip":
+                    discovery.verdicts.append(Verdict(image, "no caption (skipped by data.missing_caption)"))
+                    continue
+                caption = image.stem.replace("_", " ") if data.missing_caption == "filename" else ""
+                discovery.verdicts.append(Verdict(image, f"no caption (using {data.missing_caption})", rejected=False))
+            try:
+                info: ImageInfo = probe(image, data.min_image_size, data.max_image_pixels)
+            except ImageRejected as err:
+                discovery.verdicts.append(Verdict(image, err.reason))
+                continue
+            discovery.items.append(Item(image, caption, info.width, info.height, index, dataset.repeats))
+    return discovery
+
+
+def enforce(discovery: Discovery, data: DataConfig) -> None:
+    """The rejection policy: strict stops at the first rejected file; skip stops only when more
+    than data.max_rejected_fraction of the images were rejected."""
+    rejected = discovery.rejected
+    if not rejected:
+        return
+    if data.bad_files == "strict":
+        first = rejected[0]
+        raise ZerotrainError(f"{first.path}: {first.reason} (data.bad_files=strict; fix or remove the file, or "
+                             "set data.bad_files=skip)")
+    total = len(rejected) + len(discovery.items)
+    if len(rejected) > data.max_rejected_fraction * total:
+        reasons = ", ".join(f"{r} x{n}" for r, n in Counter(v.reason for v in rejected).most_common())
+        raise ZerotrainError(
+            f"{len(rejected)} of {total} images rejected ({reasons}), more than "
+            f"data.max_rejected_fraction={data.max_rejected_fraction:g}; first: {rejected[0].path}"
+        )
+    if not discovery.items:
+        raise ZerotrainError("no usable images in data.datasets")

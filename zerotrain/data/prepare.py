@@ -1,0 +1,83 @@
+"""From a folder of images to batches: discover, enforce the data policy, plan buckets and
+crops, build or top up the cache (distributed across ranks), and read it back through the
+global-epoch sampler. `zerotrain cache` and the training run both go through prepare()."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.config.sections import RunConfig
+from zerotrain.data.buckets import format_histogram, histogram
+from zerotrain.data.cache import (
+    BuildReport,
+    CachedDataset,
+    Planned,
+    build,
+    encoder_identity,
+    model_folder,
+    plan_items,
+    write_index,
+)
+from zerotrain.data.dataset import Discovery, Verdict, discover, enforce
+from zerotrain.data.sampler import BucketBatchSampler
+from zerotrain.distributed import Topology, barrier, gather_objects
+from zerotrain.models.catalog import ModelSpec
+
+
+@dataclass
+class Prepared:
+    discovery: Discovery
+    planned: list[Planned]
+    """Items the cache holds, in a fixed order; sample indices refer to this list."""
+    samples: list[int]
+    """planned index of every sample of an epoch (items repeated by their dataset's count)."""
+    report: BuildReport
+    rejected: list[Verdict]
+
+    def summary(self) -> list[str]:
+        lines = self.discovery.summary()
+        lines += [f"rejected: {v.reason}: {v.path}" for v in self.rejected[:3]]
+        if len(self.rejected) > 3:
+            lines.append(f"rejected while encoding: {len(self.rejected)} in all")
+        lines.append(f"cache: {self.report.latents_encoded} images and {self.report.texts_encoded} captions encoded "
+                     f"on this rank, {self.report.latents_cached} images and {self.report.texts_cached} captions "
+                     "already cached")
+        lines += format_histogram(histogram([self.planned[i].crop.bucket for i in self.samples]), len(self.samples))
+        return lines
+
+
+def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch.device = "cpu") -> Prepared:
+    """Everything up to a cache that holds every usable sample. Every rank calls it."""
+    discovery = discover(run.data)
+    source = model_folder(spec)
+    planned, skipped = plan_items(discovery, run, spec, encoder_identity(source))
+    discovery.verdicts += skipped
+    enforce(discovery, run.data)
+    report = build(planned, run, spec, source, topo.rank, topo.world_size, device)
+    barrier()
+    rejected = [v for part in gather_objects(report.rejected) for v in part]
+    if topo.is_main:
+        write_index(run.data.cache_dir)
+    barrier()
+    bad = {v.path for v in rejected}
+    kept = [p for p in planned if p.item.image not in bad]
+    samples = [i for i, p in enumerate(kept) for _ in range(p.item.repeats)]
+    discovery.verdicts += rejected
+    enforce(discovery, run.data)
+    return Prepared(discovery, kept, samples, report, rejected)
+
+
+def make_loader(prepared: Prepared, run: RunConfig, micro_batch: int, topo: Topology,
+                pin_memory: bool = False) -> tuple[torch.utils.data.DataLoader, BucketBatchSampler]:
+    """DataLoader over the cache for this rank, with the global-epoch bucket sampler."""
+    dataset = CachedDataset([prepared.planned[i] for i in prepared.samples], run.data.cache_dir)
+    sampler = BucketBatchSampler(
+        [prepared.planned[i].bucket_id for i in prepared.samples], run.training.global_batch_size, micro_batch,
+        topo.world_size, topo.rank, run.training.seed)
+    workers = run.data.num_workers
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+        prefetch_factor=2 if workers else None, persistent_workers=bool(workers))
+    return loader, sampler
