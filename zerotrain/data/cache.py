@@ -44,8 +44,6 @@ CACHE_VERSION = 1
 STORE_DTYPE = torch.bfloat16  # training runs in bf16; halves the cache
 # Items per shard: big enough that opening shards is cheap, small enough that a kill loses little.
 SHARD_ITEMS = 64
-# Files whose contents identify the VAE and text encoders of a diffusers model folder.
-ENCODER_FOLDERS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")
 
 
 @dataclass(frozen=True)
@@ -63,37 +61,19 @@ def _digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def encoder_identity(folder: Path) -> str:
-    """Identity of a model folder's VAE and text encoders without loading them: their config
-    files' contents, and every other file's name, size and modification time."""
-    parts = []
-    for sub in ENCODER_FOLDERS:
-        for path in sorted((folder / sub).glob("*")) if (folder / sub).is_dir() else []:
-            stat = path.stat()
-            body = path.read_text() if path.suffix == ".json" and stat.st_size < 1_000_000 else (stat.st_size, stat.st_mtime_ns)
-            parts.append((sub, path.name, body))
-    if not parts:
-        raise ZerotrainError(f"{folder}: no vae/ or text_encoder/ folders; caching needs a full diffusers model folder")
-    return _digest(parts)
+def encode_dtype(device: str | torch.device) -> torch.dtype:
+    """bf16 on a GPU (T5-XXL alone is 19 GB in fp32), fp32 on the CPU (which lacks fast bf16)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def model_folder(spec: ModelSpec) -> Path:
-    """The local diffusers folder that holds the VAE and text encoders (downloaded from the hub
-    once for a hub id)."""
+def model_folder(spec: ModelSpec, revision: str | None = None) -> Path:
+    """The local diffusers folder that holds the VAE and text encoders."""
+    from zerotrain.models.conditioning import encoder_folder
+
     if spec.pretrained is None:
         raise ZerotrainError(f"model.name_or_path={spec.name}: caching needs the model's VAE and text encoders; "
                              "point it at a diffusers model folder or hub id, not a bare config.json")
-    local = Path(spec.pretrained)
-    if local.is_dir():
-        return local
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(spec.pretrained, allow_patterns=["model_index.json", *(f"{s}/*" for s in ENCODER_FOLDERS)]))
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
-        raise ZerotrainError(f"model.name_or_path={spec.name}: cannot fetch the VAE and text encoders from the hub "
-                             f"({type(err).__name__}); download the model folder and point to it") from err
+    return encoder_folder(spec, spec.pretrained, revision)
 
 
 def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: str) -> tuple[list[Planned], list[Verdict]]:
@@ -124,7 +104,7 @@ def shard_index(folder: Path) -> dict[str, str]:
     index: dict[str, str] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(shard, framework="pt") as handle:
-            for name in handle:
+            for name in handle.keys():  # noqa: SIM118  (safe_open handles are not iterable)
                 index[name.split(".", 1)[0]] = shard.name
     return index
 
@@ -156,7 +136,7 @@ class BuildReport:
 def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path, rank: int = 0, world: int = 1,
           device: str | torch.device = "cpu", batch_size: int = 4) -> BuildReport:
     """Encode whatever the cache is missing; this rank takes every world-th missing entry."""
-    from zerotrain.models.conditioning import encode_latents, encode_prompts, free, load_encoders
+    from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, free, load_encoders
 
     root = run.data.cache_dir
     latents_dir, text_dir = root / "latents", root / "text"
@@ -171,7 +151,7 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
     mine_latents, mine_texts = missing_latents[rank::world], missing_texts[rank::world]
     rejected: list[Verdict] = []
     if mine_latents or mine_texts:
-        encoders = load_encoders(spec, str(source), device=device)
+        encoders = load_encoders(spec, source, device=device, dtype=encode_dtype(device))
         try:
             text_tokens = run.data.text_tokens or DEFAULT_TEXT_TOKENS[spec.family]
             for shard in _chunks(mine_texts, SHARD_ITEMS):
@@ -188,7 +168,7 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
                     by_bucket.setdefault(p.bucket_id, []).append(p)
                 for group in by_bucket.values():
                     for batch in _chunks(group, batch_size):
-                        rejected += _encode_images(encoders, batch, run, device, tensors, encode_latents)
+                        rejected += _encode_images(encoders, batch, run, device, tensors, encode_latent_moments)
                 if tensors:
                     write_shard(latents_dir, rank, tensors)
         finally:
@@ -197,7 +177,7 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
                        len(planned) - len(missing_texts), rejected)
 
 
-def _encode_images(encoders, batch: list[Planned], run: RunConfig, device, tensors: dict, encode_latents) -> list[Verdict]:
+def _encode_images(encoders, batch: list[Planned], run: RunConfig, device, tensors: dict, encode_moments) -> list[Verdict]:
     """Decode, crop and encode one same-bucket batch into `tensors`; files that fail to decode
     now (truncated data past the header, a file that vanished) become verdicts."""
     pixels, kept, rejected = [], [], []
@@ -216,7 +196,7 @@ def _encode_images(encoders, batch: list[Planned], run: RunConfig, device, tenso
     x = torch.stack(pixels).to(device=device, dtype=torch.float32) / 127.5 - 1.0
     variants = [("", x)] + ([("flip_", torch.flip(x, dims=[3]))] if run.data.flip else [])
     for prefix, images in variants:
-        mean, std = encode_latents(encoders, images)
+        mean, std = encode_moments(encoders, images.to(encoders.vae.dtype))
         for i, p in enumerate(kept):
             tensors[f"{p.latent_key}.{prefix}mean"] = mean[i].to(STORE_DTYPE).cpu()
             tensors[f"{p.latent_key}.{prefix}std"] = std[i].to(STORE_DTYPE).cpu()
@@ -283,7 +263,7 @@ class CachedDataset(torch.utils.data.Dataset):
             "crop_top_left": torch.tensor((p.crop.crop_top, p.crop.crop_left)),
             "target_size": torch.tensor(p.crop.bucket[::-1]),
         }
-        for name in text:
+        for name in text.keys():  # noqa: SIM118
             if name.startswith(p.text_key + "."):
                 sample[name.split(".", 1)[1]] = text.get_tensor(name)
         return sample

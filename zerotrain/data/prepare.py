@@ -15,7 +15,7 @@ from zerotrain.data.cache import (
     CachedDataset,
     Planned,
     build,
-    encoder_identity,
+    encode_dtype,
     model_folder,
     plan_items,
     write_index,
@@ -51,8 +51,11 @@ class Prepared:
 def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch.device = "cpu") -> Prepared:
     """Everything up to a cache that holds every usable sample. Every rank calls it."""
     discovery = discover(run.data)
-    source = model_folder(spec)
-    planned, skipped = plan_items(discovery, run, spec, encoder_identity(source))
+    from zerotrain.models.conditioning import encoders_identity
+
+    source = model_folder(spec, run.model.revision)
+    identity = encoders_identity(spec, source, encode_dtype(device))
+    planned, skipped = plan_items(discovery, run, spec, identity)
     discovery.verdicts += skipped
     enforce(discovery, run.data)
     report = build(planned, run, spec, source, topo.rank, topo.world_size, device)

@@ -1,0 +1,140 @@
+"""The cache end to end on a tiny Flux model folder saved with save_pretrained: cached tensors
+equal a direct encode, a changed image or caption re-encodes only itself, a build killed halfway
+resumes, and the loader reads batches from the cache with the global-epoch sampler."""
+
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+
+import zerotrain.data.cache as cache_module
+from zerotrain.cli import main
+from zerotrain.config import load_config
+from zerotrain.data.buckets import apply_crop
+from zerotrain.data.cache import CachedDataset, read_index
+from zerotrain.data.images import load_rgb
+from zerotrain.data.prepare import make_loader, prepare
+from zerotrain.distributed import Topology
+from zerotrain.models.catalog import resolve_model
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
+from zerotrain.models.tiny import build_tiny_pipeline
+
+SINGLE = Topology(0, 1, 0)
+SIZES = [(96, 64), (64, 96), (80, 80), (128, 64), (64, 64), (100, 75)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_pipeline("tiny-flux", tmp_path_factory.mktemp("model") / "tiny-flux")
+
+
+@pytest.fixture
+def images(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for n, size in enumerate(SIZES):
+        gradient = Image.linear_gradient("L").resize(size).convert("RGB")
+        gradient.putpixel((n, n), (255, 0, 0))
+        gradient.save(folder / f"img{n}.png")
+        (folder / f"img{n}.txt").write_text(f"caption number {n % 4}")
+    return folder
+
+
+def run_config(model_dir, images, tmp_path, *extra):
+    return load_config(None, [
+        f"model.name_or_path={model_dir}", f"data.datasets=[{{path: {images}}}]", "data.resolution=64",
+        "data.bucket_step=16", "data.min_image_size=16", f"data.cache_dir={tmp_path / 'cache'}",
+        "data.num_workers=0", "training.global_batch_size=2", *extra])
+
+
+def test_cached_tensors_equal_a_direct_encode(model_dir, images, tmp_path):
+    run = run_config(model_dir, images, tmp_path)
+    spec = resolve_model(run.model)
+    prepared = prepare(run, spec, SINGLE)
+    assert prepared.report.latents_encoded == len(SIZES) and prepared.report.texts_encoded == 4
+    dataset = CachedDataset(prepared.planned, run.data.cache_dir)
+    encoders = load_encoders(spec, model_dir)
+    for i, planned in enumerate(prepared.planned):
+        sample = dataset[i]
+        cropped = apply_crop(load_rgb(planned.item.image), planned.crop)
+        pixels = torch.tensor(list(cropped.getdata()), dtype=torch.float32).view(cropped.height, cropped.width, 3)
+        mean, std = encode_latent_moments(encoders, pixels.permute(2, 0, 1)[None] / 127.5 - 1)
+        # The cache encodes in batches and stores bf16 (3 significant digits); a lone encode
+        # differs from a batched one in the last float32 bits.
+        assert torch.allclose(sample["latent_mean"].float(), mean[0], rtol=1e-2, atol=1e-3)
+        assert torch.allclose(sample["latent_std"].float(), std[0], rtol=1e-2, atol=1e-3)
+        direct = encode_prompts(encoders, [planned.item.caption], 512)
+        for name in ("prompt_embeds", "pooled_prompt_embeds"):
+            assert torch.allclose(sample[name].float(), direct[name][0], rtol=1e-2, atol=1e-3), name
+        assert tuple(sample["target_size"].tolist()) == planned.crop.bucket[::-1]
+        assert tuple(sample["original_size"].tolist()) == planned.crop.original_size[::-1]
+
+
+def test_a_changed_image_or_caption_reencodes_only_itself(model_dir, images, tmp_path):
+    run = run_config(model_dir, images, tmp_path)
+    spec = resolve_model(run.model)
+    prepare(run, spec, SINGLE)
+    again = prepare(run, spec, SINGLE)
+    assert (again.report.latents_encoded, again.report.texts_encoded) == (0, 0)
+    (images / "img1.txt").write_text("a brand new caption")
+    Image.new("RGB", SIZES[2], (9, 99, 199)).save(images / "img2.png")
+    changed = prepare(run, spec, SINGLE)
+    assert (changed.report.latents_encoded, changed.report.texts_encoded) == (1, 1)
+    index = read_index(run.data.cache_dir)
+    assert all(p.latent_key in index["latents"] and p.text_key in index["text"] for p in changed.planned)
+
+
+def test_a_killed_build_resumes_and_never_trusts_a_partial_shard(model_dir, images, tmp_path, monkeypatch):
+    run = run_config(model_dir, images, tmp_path)
+    spec = resolve_model(run.model)
+    monkeypatch.setattr(cache_module, "SHARD_ITEMS", 2)
+    real_write = cache_module.write_shard
+    written = []
+
+    def dying_write(folder, rank, tensors):
+        if folder.name == "latents" and len(written) == 1:
+            # The process dies while writing: a partial temporary is left behind.
+            (folder / "0000-dead.tmp").write_bytes(b"half a shard")
+            raise KeyboardInterrupt
+        path = real_write(folder, rank, tensors)
+        if folder.name == "latents":
+            written.append(path)
+        return path
+
+    monkeypatch.setattr(cache_module, "write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(run, spec, SINGLE)
+    monkeypatch.setattr(cache_module, "write_shard", real_write)
+    resumed = prepare(run, spec, SINGLE)
+    assert resumed.report.latents_cached == 2  # the one complete shard was kept
+    assert resumed.report.latents_encoded == len(SIZES) - 2
+    assert not list((run.data.cache_dir / "latents").glob("*.tmp"))
+
+
+def test_loader_reads_one_bucket_per_batch_from_the_cache(model_dir, images, tmp_path):
+    run = run_config(model_dir, images, tmp_path, "data.datasets=[{path: " + str(images) + ", repeats: 2}]")
+    prepared = prepare(run, resolve_model(run.model), SINGLE)
+    assert len(prepared.samples) == 2 * len(SIZES)
+    loader, sampler = make_loader(prepared, run, micro_batch=1, topo=SINGLE)
+    sampler.set_epoch(0)
+    batches = list(loader)
+    assert len(batches) == sampler.plan().steps * 2 and batches
+    for batch in batches:
+        assert batch["latent_mean"].shape[0] == 1 and batch["prompt_embeds"].dtype == torch.bfloat16
+        height, width = batch["target_size"][0].tolist()
+        assert batch["latent_mean"].shape[-2:] == (height // 2, width // 2)  # tiny VAE: factor 2
+
+
+def test_cache_command_prints_summary_and_histogram(model_dir, images, tmp_path, capsys):
+    (images / "broken.png").write_bytes(b"")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{name_or_path: {model_dir}}}\n"
+                      f"data: {{datasets: [{{path: {images}}}], resolution: 64, bucket_step: 16, min_image_size: 16, "
+                      f"cache_dir: {tmp_path / 'cache'}, max_rejected_fraction: 0.5}}\n")
+    assert main(["cache", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "rejected: empty file: 1" in out
+    assert "x" in out and "%" in out  # the bucket histogram
+    assert "cache ready" in out
+    shutil.rmtree(tmp_path / "cache")
