@@ -79,6 +79,12 @@ def run_cache(args: argparse.Namespace) -> int:
     if topo.is_main:
         for line in prepared.summary():
             print(line)
+        try:
+            epoch = prepared.epoch(run.training.global_batch_size)
+            print(f"epoch: {epoch.steps} steps of {run.training.global_batch_size} images ({epoch.samples} samples; "
+                  f"{epoch.dropped} dropped by bucket remainders), whatever the number of GPUs")
+        except ZerotrainError as err:  # the cache is still good; training would stop here
+            print(f"warning: {err}")
         print(f"cache ready at {run.data.cache_dir}: {len(prepared.planned)} images, {len(prepared.samples)} samples "
               "per epoch")
     if torch.distributed.is_initialized():

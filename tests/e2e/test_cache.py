@@ -4,6 +4,7 @@ resumes, and the loader reads batches from the cache with the global-epoch sampl
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -58,7 +59,7 @@ def test_cached_tensors_equal_a_direct_encode(model_dir, images, tmp_path):
     for i, planned in enumerate(prepared.planned):
         sample = dataset[i]
         cropped = apply_crop(load_rgb(planned.item.image), planned.crop)
-        pixels = torch.tensor(list(cropped.getdata()), dtype=torch.float32).view(cropped.height, cropped.width, 3)
+        pixels = torch.from_numpy(np.asarray(cropped, dtype=np.float32))
         mean, std = encode_latent_moments(encoders, pixels.permute(2, 0, 1)[None] / 127.5 - 1)
         # The cache encodes in batches and stores bf16 (3 significant digits); a lone encode
         # differs from a batched one in the last float32 bits.
@@ -112,6 +113,16 @@ def test_a_killed_build_resumes_and_never_trusts_a_partial_shard(model_dir, imag
     assert not list((run.data.cache_dir / "latents").glob("*.tmp"))
 
 
+def test_flipped_latents_are_cached_mirrored(model_dir, images, tmp_path):
+    run = run_config(model_dir, images, tmp_path, "data.flip=true")
+    prepared = prepare(run, resolve_model(run.model), SINGLE)
+    sample = CachedDataset(prepared.planned, run.data.cache_dir, flip=True)[0]
+    assert sample["latent_flip_mean"].shape == sample["latent_mean"].shape
+    # A VAE is close to equivariant under a horizontal flip.
+    mirrored = torch.flip(sample["latent_mean"].float(), dims=[-1])
+    assert torch.corrcoef(torch.stack([mirrored.flatten(), sample["latent_flip_mean"].float().flatten()]))[0, 1] > 0.5
+
+
 def test_loader_reads_one_bucket_per_batch_from_the_cache(model_dir, images, tmp_path):
     run = run_config(model_dir, images, tmp_path, "data.datasets=[{path: " + str(images) + ", repeats: 2}]")
     prepared = prepare(run, resolve_model(run.model), SINGLE)
@@ -120,6 +131,7 @@ def test_loader_reads_one_bucket_per_batch_from_the_cache(model_dir, images, tmp
     sampler.set_epoch(0)
     batches = list(loader)
     assert len(batches) == sampler.plan().steps * 2 and batches
+    assert prepared.epoch(2).steps == sampler.plan().steps
     for batch in batches:
         assert batch["latent_mean"].shape[0] == 1 and batch["prompt_embeds"].dtype == torch.bfloat16
         height, width = batch["target_size"][0].tolist()
@@ -137,4 +149,6 @@ def test_cache_command_prints_summary_and_histogram(model_dir, images, tmp_path,
     assert "rejected: empty file: 1" in out
     assert "x" in out and "%" in out  # the bucket histogram
     assert "cache ready" in out
+    # Six images in several buckets cannot fill a global batch of 8 from one bucket.
+    assert "warning: training.global_batch_size=8: no bucket holds a whole global batch" in out
     shutil.rmtree(tmp_path / "cache")

@@ -263,6 +263,9 @@ class CachedDataset(torch.utils.data.Dataset):
             "crop_top_left": torch.tensor((p.crop.crop_top, p.crop.crop_left)),
             "target_size": torch.tensor(p.crop.bucket[::-1]),
         }
+        if self.flip:  # horizontally flipped moments; the training step picks one of the two per sample
+            sample["latent_flip_mean"] = latents.get_tensor(f"{p.latent_key}.flip_mean")
+            sample["latent_flip_std"] = latents.get_tensor(f"{p.latent_key}.flip_std")
         for name in text.keys():  # noqa: SIM118
             if name.startswith(p.text_key + "."):
                 sample[name.split(".", 1)[1]] = text.get_tensor(name)

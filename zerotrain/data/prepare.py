@@ -21,8 +21,9 @@ from zerotrain.data.cache import (
     write_index,
 )
 from zerotrain.data.dataset import Discovery, Verdict, discover, enforce
-from zerotrain.data.sampler import BucketBatchSampler
+from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
 from zerotrain.distributed import Topology, barrier, gather_objects
+from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
 
 
@@ -46,6 +47,19 @@ class Prepared:
                      "already cached")
         lines += format_histogram(histogram([self.planned[i].crop.bucket for i in self.samples]), len(self.samples))
         return lines
+
+    def epoch(self, global_batch: int) -> EpochPlan:
+        """One epoch in global terms: the same for any world size with this global batch."""
+        return bucket_sampler(self, global_batch, global_batch, Topology(0, 1, 0), 0).plan()
+
+
+def bucket_sampler(prepared: Prepared, global_batch: int, micro_batch: int, topo: Topology,
+                   seed: int) -> BucketBatchSampler:
+    try:
+        return BucketBatchSampler([prepared.planned[i].bucket_id for i in prepared.samples], global_batch,
+                                  micro_batch, topo.world_size, topo.rank, seed)
+    except ValueError as err:
+        raise ZerotrainError(f"training.global_batch_size={global_batch}: {err}") from err
 
 
 def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch.device = "cpu") -> Prepared:
@@ -75,10 +89,8 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
 def make_loader(prepared: Prepared, run: RunConfig, micro_batch: int, topo: Topology,
                 pin_memory: bool = False) -> tuple[torch.utils.data.DataLoader, BucketBatchSampler]:
     """DataLoader over the cache for this rank, with the global-epoch bucket sampler."""
-    dataset = CachedDataset([prepared.planned[i] for i in prepared.samples], run.data.cache_dir)
-    sampler = BucketBatchSampler(
-        [prepared.planned[i].bucket_id for i in prepared.samples], run.training.global_batch_size, micro_batch,
-        topo.world_size, topo.rank, run.training.seed)
+    dataset = CachedDataset([prepared.planned[i] for i in prepared.samples], run.data.cache_dir, run.data.flip)
+    sampler = bucket_sampler(prepared, run.training.global_batch_size, micro_batch, topo, run.training.seed)
     workers = run.data.num_workers
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,

@@ -115,6 +115,11 @@ def load_encoders(
     pipeline_class = _pipeline_class(spec)
     skipped = {_DENOISER_COMPONENT[spec.family]: None, "scheduler": None}
     folder = encoder_folder(spec, folder_or_hub, revision)
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()  # zerotrain reports progress itself
+    transformers_logging.disable_progress_bar()
     try:
         pipeline = pipeline_class.from_pretrained(folder, dtype=dtype, **skipped)
     except (OSError, ValueError) as err:
