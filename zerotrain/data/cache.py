@@ -29,6 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -119,6 +129,19 @@ def write_shard(folder: Path, rank: int, tensors: dict[str, torch.Tensor]) -> Pa
     return final
 
 
+class RateColumn(ProgressColumn):
+    """Items per second, e.g. '12.3 images/s'."""
+
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed or 0:.1f} {task.fields.get('unit', 'items')}/s")
+
+
+def progress_bar(enabled: bool) -> Progress:
+    """A rich progress bar with count, rate and ETA; plain lines when stdout is not a terminal."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), RateColumn(),
+                    TimeRemainingColumn(), disable=not enabled, transient=False)
+
+
 def _chunks(items: list, size: int) -> Iterator[list]:
     for start in range(0, len(items), size):
         yield items[start:start + size]
@@ -134,7 +157,7 @@ class BuildReport:
 
 
 def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path, rank: int = 0, world: int = 1,
-          device: str | torch.device = "cpu", batch_size: int = 4) -> BuildReport:
+          device: str | torch.device = "cpu", batch_size: int = 4, show_progress: bool = True) -> BuildReport:
     """Encode whatever the cache is missing; this rank takes every world-th missing entry."""
     from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, free, load_encoders
 
@@ -154,23 +177,29 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
         encoders = load_encoders(spec, source, device=device, dtype=encode_dtype(device))
         try:
             text_tokens = run.data.text_tokens or DEFAULT_TEXT_TOKENS[spec.family]
-            for shard in _chunks(mine_texts, SHARD_ITEMS):
-                tensors = {}
-                for batch in _chunks(shard, batch_size):
-                    out = encode_prompts(encoders, [p.item.caption for p in batch], text_tokens)
-                    for i, p in enumerate(batch):
-                        tensors.update({f"{p.text_key}.{name}": value[i].to(STORE_DTYPE).cpu() for name, value in out.items()})
-                write_shard(text_dir, rank, tensors)
-            for shard in _chunks(mine_latents, SHARD_ITEMS):
-                tensors = {}
-                by_bucket: dict[int, list[Planned]] = {}
-                for p in shard:
-                    by_bucket.setdefault(p.bucket_id, []).append(p)
-                for group in by_bucket.values():
-                    for batch in _chunks(group, batch_size):
-                        rejected += _encode_images(encoders, batch, run, device, tensors, encode_latent_moments)
-                if tensors:
-                    write_shard(latents_dir, rank, tensors)
+            with progress_bar(show_progress and rank == 0) as bars:
+                captions = bars.add_task("encoding captions", total=len(mine_texts), unit="captions")
+                images = bars.add_task("encoding images", total=len(mine_latents), unit="images")
+                for shard in _chunks(mine_texts, SHARD_ITEMS):
+                    tensors = {}
+                    for batch in _chunks(shard, batch_size):
+                        out = encode_prompts(encoders, [p.item.caption for p in batch], text_tokens)
+                        for i, p in enumerate(batch):
+                            tensors.update({f"{p.text_key}.{name}": value[i].to(STORE_DTYPE).cpu()
+                                            for name, value in out.items()})
+                        bars.advance(captions, len(batch))
+                    write_shard(text_dir, rank, tensors)
+                for shard in _chunks(mine_latents, SHARD_ITEMS):
+                    tensors = {}
+                    by_bucket: dict[int, list[Planned]] = {}
+                    for p in shard:
+                        by_bucket.setdefault(p.bucket_id, []).append(p)
+                    for group in by_bucket.values():
+                        for batch in _chunks(group, batch_size):
+                            rejected += _encode_images(encoders, batch, run, device, tensors, encode_latent_moments)
+                            bars.advance(images, len(batch))
+                    if tensors:
+                        write_shard(latents_dir, rank, tensors)
         finally:
             free(encoders)
     return BuildReport(len(mine_latents), len(mine_texts), len(planned) - len(missing_latents),

@@ -17,7 +17,7 @@ Conversion rules (``load_rgb``):
 
 - 1, L, P, RGB, RGBX, CMYK, YCbCr, LAB, HSV: Pillow's conversion to RGB, which is exact for these.
 - Alpha (RGBA, LA, PA, RGBa, and L/RGB/P with a ``transparency`` key or index): plain alpha-over onto
-  ``background``, ``out = fg * a + bg * (1 - a)``, after EXIF orientation has no effect on it.
+  ``background``: ``out = fg * a + bg * (1 - a)`` per channel, rounded (no premultiplication).
 - I;16, I;16L, I;16B, I;16N (16-bit PNG and TIFF grayscale): ``round(x / 257)``, i.e. the full 16-bit
   range maps onto 0-255. A 16-bit ``transparency`` value becomes a binary alpha mask.
 - I (32-bit integer; Pillow uses it for 16-bit PGM and older Pillows for 16-bit PNG): values that fit
@@ -27,7 +27,7 @@ Conversion rules (``load_rgb``):
   its own maximum (``x / max * 255``), since a float file states no white point.
 - 16-bit RGB/RGBA PNGs: Pillow (13) opens these as 8-bit "RGB"/"RGBA" itself, keeping the high byte of
   each sample (``x >> 8``, within 1 of ``round(x / 257)``), and 16-bit gray+alpha PNGs as "RGBA". That
-  is a faithful reduction, so they need nothing more; 16-bit RGB TIFFs are reduced the same way.
+  is a faithful reduction, so they need nothing more; Pillow reads 16-bit RGB TIFFs the same way.
 - La (premultiplied gray+alpha) and anything else Pillow may add: rejected as "unsupported mode".
 
 Known limits: ICC profiles are not applied (pixels are taken as sRGB). Corrupt entropy-coded data in
@@ -146,7 +146,8 @@ def probe(path: Path, min_size: int, max_pixels: int) -> ImageInfo:
         w, h = im.size
         if w * h > max_pixels:
             raise ImageRejected(
-                "decompression bomb", path,
+                "decompression bomb",
+                path,
                 f"{w}x{h} is {w * h:,} pixels, more than data.max_image_pixels ({max_pixels:,}); "
                 "it could be a decompression bomb",
             )
@@ -155,7 +156,8 @@ def probe(path: Path, min_size: int, max_pixels: int) -> ImageInfo:
             w, h = h, w
         if min(w, h) < min_size:
             raise ImageRejected(
-                "too small", path,
+                "too small",
+                path,
                 f"{w}x{h} has a shorter side below data.min_image_size ({min_size} pixels)",
             )
         return ImageInfo(width=w, height=h, mode=im.mode, format=im.format)
@@ -281,7 +283,8 @@ def _unidentified(path: Path, fp: IO[bytes], prefix: bytes) -> ImageRejected:
     fmt = _sniff(prefix)
     if fmt is None or fmt not in Image.OPEN:
         return ImageRejected(
-            "not an image", path,
+            "not an image",
+            path,
             "not an image file: it does not start like a " + ", ".join(_formats()) + " file",
         )
     # It starts like `fmt` but Pillow's opener failed. Run that opener alone to learn why.
@@ -299,7 +302,8 @@ def _unidentified(path: Path, fp: IO[bytes], prefix: bytes) -> ImageRejected:
 
 
 _TRUNCATED = re.compile(
-    r"truncat|end of file|\bEOF\b|premature|unexpected end|not enough|requires a buffer|chunk b''\)", re.IGNORECASE
+    r"truncat|end of file|\bEOF\b|premature|unexpected end|not enough|requires a buffer|chunk b''\)",
+    re.IGNORECASE,
 )
 _BAD_MODE = re.compile(
     r"(unknown|unsupported|not supported).*mode|mode.*(unknown|unsupported)", re.IGNORECASE
@@ -311,7 +315,8 @@ def _verdict(path: Path, exc: BaseException, im: Image.Image | None = None) -> I
     text = str(exc) or type(exc).__name__
     if isinstance(exc, Image.DecompressionBombError):
         return ImageRejected(
-            "decompression bomb", path,
+            "decompression bomb",
+            path,
             f"rejected by Pillow's decompression bomb check ({text}); raise PIL.Image.MAX_IMAGE_PIXELS "
             "if such images are intended",
         )
@@ -319,7 +324,7 @@ def _verdict(path: Path, exc: BaseException, im: Image.Image | None = None) -> I
         return ImageRejected("truncated", path, f"the file is truncated ({text})")
     if _BAD_MODE.search(text):
         return ImageRejected("unsupported mode", path, f"the pixel format is not supported ({text})")
-    if False:
+    if _shorter_than_declared(path, im):
         return ImageRejected("truncated", path, f"the file is shorter than its header declares ({text})")
     return ImageRejected("corrupt", path, f"the image data is corrupt ({type(exc).__name__}: {text})")
 
@@ -378,7 +383,8 @@ def _shorter_than_declared(path: Path, im: Image.Image | None) -> bool:
 def _check_mode(im: Image.Image, path: Path) -> None:
     if im.mode not in _SUPPORTED_MODES:
         raise ImageRejected(
-            "unsupported mode", path,
+            "unsupported mode",
+            path,
             f"pixel mode {im.mode!r} cannot be converted to RGB faithfully",
         )
 
