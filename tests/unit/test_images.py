@@ -43,7 +43,10 @@ def write_png16(path: Path, arr: np.ndarray) -> Path:
 
     header = struct.pack(">IIBBBBB", w, h, 16, color_type, 0, 0, 0)
     path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
     )
     return path
 
@@ -485,3 +488,16 @@ def test_reduce_for_non_jpeg_and_no_upscale(tmp_path):
     assert px(out, 10, 10) == GREEN and px(out, 90, 70) == RED
     assert load_rgb(tmp_path / "p.png", min_target=(1000, 1000)).size == (400, 300)
     assert load_rgb(tmp_path / "p.png", min_target=(201, 10)).size == (400, 300)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kwargs"), [("webp", {}), ("tiff", {"compression": "tiff_deflate"}), ("gif", {})]
+)
+def test_truncated_where_the_decoder_only_says_error(tmp_path, photo, fmt, kwargs):
+    """libwebp, libtiff and the GIF reader give no "truncated" message; the file's own lengths tell."""
+    full = tmp_path / f"full.{fmt}"
+    photo.save(full, **kwargs)
+    data = full.read_bytes()
+    (tmp_path / f"cut.{fmt}").write_bytes(data[: len(data) // 2])
+    rejected(tmp_path / f"cut.{fmt}", "truncated")
+    assert load_rgb(full).size == (128, 96)

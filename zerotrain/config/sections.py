@@ -131,8 +131,9 @@ class DataConfig(_Section):
     """Images smaller than their bucket: upscale them, or skip them (reported)."""
     min_image_size: int = Field(64, ge=1)
     """Images whose shorter side is below this many pixels are rejected as too small."""
-    max_image_pixels: int = Field(200_000_000, ge=1)
-    """Images with more pixels are rejected as possible decompression bombs."""
+    max_image_pixels: int = Field(178_956_970, ge=1, le=178_956_970)
+    """Images with more pixels are rejected as possible decompression bombs (at most Pillow's own
+    hard limit, twice Image.MAX_IMAGE_PIXELS; a 12000 x 8000 photo is 96 million)."""
     background: tuple[int, int, int] = (255, 255, 255)
     """RGB colour that transparent pixels are composited onto."""
     bad_files: Literal["skip", "strict"] = "skip"

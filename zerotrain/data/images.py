@@ -109,7 +109,7 @@ _MAGIC: tuple[tuple[bytes, int, str], ...] = (
     (b"\xff\x4f\xff\x51", 0, "JPEG2000"),
     (b"ftypavi", 4, "AVIF"),
     (b"qoif", 0, "QOI"),
-) + tuple((b"P" + bytes([c]), 0, "PPM") for c in b"1234567f")
+) + tuple((b"P" + bytes([c]), 0, "PPM") for c in b"123456f")
 
 # Modes whose conversion to 8-bit RGB is exact (see the module docstring).
 _SUPPORTED_MODES = frozenset(
