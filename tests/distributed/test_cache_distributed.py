@@ -11,7 +11,8 @@ several images. The cache is built into two folders by `python -m zerotrain.cli 
 and the two are compared key by key. Equality is up to bf16 rounding: the CPU VAE's fp32 output
 depends on the batch size by ~5e-7 (a batch of 3 or 1 against one of 4), and the ranks' batches
 differ from the single process's, because each rank takes every other missing item of a bucket.
-After rounding to the stored bf16 most tensors are bit-identical and a few differ in the last bit.
+After rounding to the stored bf16 the tensors are bit-identical or (with batches of 1 or 3)
+a few differ in their last bits.
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ def load_all(root: Path) -> dict[str, object]:
 
 def test_both_builds_report_every_image(caches):
     for name in ("single", "rank0"):
-        assert f"12 images, 12 samples per epoch" in caches["logs"][name], caches["logs"][name][-2000:]
+        ready = f"cache ready at {caches[{'single': 'one', 'rank0': 'two'}[name]]}: {len(IMAGES)} images"
+        assert ready in caches["logs"][name], caches["logs"][name][-2000:]
+    assert "cache ready" not in caches["logs"]["rank1"]  # only rank 0 reports
     assert not any(caches["one"].glob("*/*.tmp")) and not any(caches["two"].glob("*/*.tmp"))
 
 
@@ -196,9 +199,9 @@ def test_two_ranks_each_encoded_their_share_once(caches):
         assert not twice, f"{kind}: keys encoded by more than one shard: {twice}"
         assert len(holders) == expected
         assert sum(len(names) for names in shards[kind].values()) == 2 * expected
-        # Every rank takes every world-th missing entry: ceil and floor of half.
+        # Ranks take whole same-bucket batches (of up to 4) in turn: both work, within a batch of each other.
         per_rank = Counter(next(iter(s)).split("-", 1)[0] for s in holders.values())
-        assert sorted(per_rank.values()) == sorted([expected // WORLD, expected - expected // WORLD]), per_rank
+        assert min(per_rank.values()) > 0 and max(per_rank.values()) - min(per_rank.values()) <= 4, per_rank
 
 
 def test_two_rank_cache_is_complete_for_one_process(caches):

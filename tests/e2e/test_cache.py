@@ -13,7 +13,7 @@ import zerotrain.data.cache as cache_module
 from zerotrain.cli import main
 from zerotrain.config import load_config
 from zerotrain.data.buckets import apply_crop
-from zerotrain.data.cache import CachedDataset, read_index
+from zerotrain.data.cache import CachedDataset, read_index, shard_index
 from zerotrain.data.images import load_rgb
 from zerotrain.data.prepare import make_loader, prepare
 from zerotrain.distributed import Topology
@@ -106,11 +106,27 @@ def test_a_killed_build_resumes_and_never_trusts_a_partial_shard(model_dir, imag
     monkeypatch.setattr(cache_module, "write_shard", dying_write)
     with pytest.raises(KeyboardInterrupt):
         prepare(run, spec, SINGLE)
+    survived = len(shard_index(run.data.cache_dir / "latents"))
+    assert 0 < survived < len(SIZES)
     monkeypatch.setattr(cache_module, "write_shard", real_write)
     resumed = prepare(run, spec, SINGLE)
-    assert resumed.report.latents_cached == 2  # the one complete shard was kept
-    assert resumed.report.latents_encoded == len(SIZES) - 2
+    assert resumed.report.latents_cached == survived  # the complete shard was kept
+    assert resumed.report.latents_encoded == len(SIZES) - survived
     assert not list((run.data.cache_dir / "latents").glob("*.tmp"))
+
+
+def test_large_images_decode_reduced_and_still_cache(model_dir, tmp_path):
+    """A photo many times its bucket is decoded in draft mode / reduced; the crop still fits."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    Image.linear_gradient("L").resize((400, 300)).convert("RGB").save(folder / "big.jpg", quality=95)
+    Image.linear_gradient("L").resize((300, 400)).convert("RGB").save(folder / "big.png")
+    run = run_config(model_dir, folder, tmp_path)
+    prepared = prepare(run, resolve_model(run.model), SINGLE)
+    assert prepared.report.latents_encoded == 2 and not prepared.rejected
+    dataset = CachedDataset(prepared.planned, run.data.cache_dir)
+    for i, planned in enumerate(prepared.planned):
+        assert tuple(dataset[i]["target_size"].tolist()) == planned.crop.bucket[::-1]
 
 
 def test_flipped_latents_are_cached_mirrored(model_dir, images, tmp_path):

@@ -149,9 +149,12 @@ def plan_crop(
 
 def apply_crop(image: Image.Image, plan: CropPlan) -> Image.Image:
     """Resize image (LANCZOS) to plan.resized_size and crop it to plan.bucket; the result is
-    exactly bucket-sized."""
-    if image.size != plan.original_size:
-        raise ValueError(f"the plan is for a {plan.original_size} image, got {image.size}")
+    exactly bucket-sized. The image is the original, or a reduced decode of it that still covers
+    resized_size (JPEG draft mode / Image.reduce in images.load_rgb)."""
+    (width, height), (ow, oh), (rw, rh) = image.size, plan.original_size, plan.resized_size
+    if image.size != plan.original_size and not (min(rw, ow) <= width <= ow and min(rh, oh) <= height <= oh):
+        raise ValueError(f"the plan is for a {plan.original_size} image (or a reduced decode covering "
+                         f"{plan.resized_size}), got {image.size}")
     resized = image.resize(plan.resized_size, Image.Resampling.LANCZOS)
     width, height = plan.bucket
     return resized.crop((plan.crop_left, plan.crop_top, plan.crop_left + width, plan.crop_top + height))

@@ -46,11 +46,14 @@ from zerotrain.config.sections import RunConfig
 from zerotrain.data.buckets import CropPlan, apply_crop, assign_bucket, bucket_step, make_buckets, plan_crop
 from zerotrain.data.dataset import Discovery, Item, Verdict
 from zerotrain.data.images import ImageRejected, load_rgb
+from zerotrain.distributed import barrier
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
 from zerotrain.models.families import DEFAULT_TEXT_TOKENS, pixel_factor
 
 CACHE_VERSION = 1
+# What models.conditioning.encode_prompts returns for every family.
+TEXT_OUTPUTS = ("prompt_embeds", "pooled_prompt_embeds")
 STORE_DTYPE = torch.bfloat16  # training runs in bf16; halves the cache
 # Items per shard: big enough that opening shards is cheap, small enough that a kill loses little.
 SHARD_ITEMS = 64
@@ -164,14 +167,21 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
     root = run.data.cache_dir
     latents_dir, text_dir = root / "latents", root / "text"
     have_latents, have_texts = shard_index(latents_dir), shard_index(text_dir)
-    missing_latents = [p for p in planned if p.latent_key not in have_latents]
-    seen: set[str] = set(have_texts)
-    missing_texts = []
-    for p in planned:
-        if p.text_key not in seen:
-            seen.add(p.text_key)
-            missing_texts.append(p)
-    mine_latents, mine_texts = missing_latents[rank::world], missing_texts[rank::world]
+    # Every rank must see the same cache before anyone writes, or the shares would not line up.
+    barrier()
+    unique_latents = {p.latent_key: p for p in planned}
+    unique_texts = {p.text_key: p for p in planned}
+    missing_latents = [p for key, p in unique_latents.items() if key not in have_latents]
+    missing_texts = [p for key, p in unique_texts.items() if key not in have_texts]
+    # Work is dealt out in whole same-bucket batches, so the cache does not depend on the world size.
+    by_bucket: dict[int, list[Planned]] = {}
+    for p in missing_latents:
+        by_bucket.setdefault(p.bucket_id, []).append(p)
+    latent_batches = [batch for group in by_bucket.values() for batch in _chunks(group, batch_size)]
+    text_batches = list(_chunks(missing_texts, batch_size))
+    mine_latent_batches, mine_text_batches = latent_batches[rank::world], text_batches[rank::world]
+    mine_latents = [p for batch in mine_latent_batches for p in batch]
+    mine_texts = [p for batch in mine_text_batches for p in batch]
     rejected: list[Verdict] = []
     if mine_latents or mine_texts:
         encoders = load_encoders(spec, source, device=device, dtype=encode_dtype(device))
@@ -180,30 +190,26 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
             with progress_bar(show_progress and rank == 0) as bars:
                 captions = bars.add_task("encoding captions", total=len(mine_texts), unit="captions")
                 images = bars.add_task("encoding images", total=len(mine_latents), unit="images")
-                for shard in _chunks(mine_texts, SHARD_ITEMS):
+                for shard in _chunks(mine_text_batches, SHARD_ITEMS // batch_size or 1):
                     tensors = {}
-                    for batch in _chunks(shard, batch_size):
+                    for batch in shard:
                         out = encode_prompts(encoders, [p.item.caption for p in batch], text_tokens)
                         for i, p in enumerate(batch):
                             tensors.update({f"{p.text_key}.{name}": value[i].to(STORE_DTYPE).cpu()
                                             for name, value in out.items()})
                         bars.advance(captions, len(batch))
                     write_shard(text_dir, rank, tensors)
-                for shard in _chunks(mine_latents, SHARD_ITEMS):
+                for shard in _chunks(mine_latent_batches, SHARD_ITEMS // batch_size or 1):
                     tensors = {}
-                    by_bucket: dict[int, list[Planned]] = {}
-                    for p in shard:
-                        by_bucket.setdefault(p.bucket_id, []).append(p)
-                    for group in by_bucket.values():
-                        for batch in _chunks(group, batch_size):
-                            rejected += _encode_images(encoders, batch, run, device, tensors, encode_latent_moments)
-                            bars.advance(images, len(batch))
+                    for batch in shard:
+                        rejected += _encode_images(encoders, batch, run, device, tensors, encode_latent_moments)
+                        bars.advance(images, len(batch))
                     if tensors:
                         write_shard(latents_dir, rank, tensors)
         finally:
             free(encoders)
-    return BuildReport(len(mine_latents), len(mine_texts), len(planned) - len(missing_latents),
-                       len(planned) - len(missing_texts), rejected)
+    return BuildReport(len(mine_latents), len(mine_texts), len(unique_latents) - len(missing_latents),
+                       len(unique_texts) - len(missing_texts), rejected)
 
 
 def _encode_images(encoders, batch: list[Planned], run: RunConfig, device, tensors: dict, encode_moments) -> list[Verdict]:
@@ -295,9 +301,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if self.flip:  # horizontally flipped moments; the training step picks one of the two per sample
             sample["latent_flip_mean"] = latents.get_tensor(f"{p.latent_key}.flip_mean")
             sample["latent_flip_std"] = latents.get_tensor(f"{p.latent_key}.flip_std")
-        for name in text.keys():  # noqa: SIM118
-            if name.startswith(p.text_key + "."):
-                sample[name.split(".", 1)[1]] = text.get_tensor(name)
+        for name in TEXT_OUTPUTS:
+            sample[name] = text.get_tensor(f"{p.text_key}.{name}")
         return sample
 
     def __getstate__(self) -> dict:  # open handles do not cross process boundaries

@@ -75,11 +75,15 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
     report = build(planned, run, spec, source, topo.rank, topo.world_size, device)
     barrier()
     rejected = [v for part in gather_objects(report.rejected) for v in part]
-    if topo.is_main:
-        write_index(run.data.cache_dir)
-    barrier()
     bad = {v.path for v in rejected}
     kept = [p for p in planned if p.item.image not in bad]
+    if topo.is_main:
+        index = write_index(run.data.cache_dir)
+        absent = [p for p in kept if p.latent_key not in index["latents"] or p.text_key not in index["text"]]
+        if absent:
+            raise ZerotrainError(f"the cache at {run.data.cache_dir} lacks {len(absent)} entries after the build "
+                                 f"(first: {absent[0].item.image}); run zerotrain cache again")
+    barrier()
     samples = [i for i, p in enumerate(kept) for _ in range(p.item.repeats)]
     discovery.verdicts += rejected
     enforce(discovery, run.data)
