@@ -8,6 +8,7 @@ from zerotrain.config.sections import (
     LoraConfig,
     Mode,
     ModelConfig,
+    ObjectiveConfig,
     OptimizerConfig,
     PlannerConfig,
     Quantization,
@@ -17,6 +18,6 @@ from zerotrain.config.sections import (
 )
 
 __all__ = [
-    "DataConfig", "DatasetConfig", "HardwareConfig", "LoraConfig", "Mode", "ModelConfig", "OptimizerConfig",
+    "DataConfig", "DatasetConfig", "HardwareConfig", "LoraConfig", "Mode", "ModelConfig", "ObjectiveConfig", "OptimizerConfig",
     "PlannerConfig", "Quantization", "RunConfig", "TrainingConfig", "load_config", "parse_bytes",
 ]

@@ -85,6 +85,15 @@ class TrainingConfig(_Section):
     """Recompute activations in backward; auto lets the planner choose."""
     seed: int = 0
     """Seed for the sampling order, crops, noise and initialisation."""
+    max_steps: int = Field(1000, ge=1)
+    """Optimizer steps to train for."""
+    checkpoint_every: int = Field(500, ge=1)
+    """Write a checkpoint every this many optimizer steps (and at the end)."""
+    keep_checkpoints: int = Field(3, ge=1)
+    """How many of the newest checkpoints to keep."""
+    resume: Literal["auto", "none"] | Path = "auto"
+    """auto: continue from the run folder's latest checkpoint if there is one; none: start fresh;
+    or the path of a checkpoint (or of a run folder) to continue from."""
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -157,6 +166,26 @@ class DataConfig(_Section):
         return value
 
 
+class ObjectiveConfig(_Section):
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = "logit_normal"
+    """Flow matching: how training timesteps are drawn (SD3 paper, section 3.1)."""
+    logit_mean: float = 0.0
+    """Mean of the logit-normal timestep distribution."""
+    logit_std: float = Field(1.0, gt=0)
+    """Standard deviation of the logit-normal timestep distribution."""
+    mode_scale: float = Field(1.29, ge=0)
+    """Scale of the mode timestep distribution."""
+    shift: Literal["auto"] | float = "auto"
+    """Flow matching timestep shift: auto uses the scheduler's (resolution-dependent for Flux,
+    3.0 for SD3); a number fixes it."""
+    guidance: float = Field(1.0, ge=0)
+    """Guidance value fed to a guidance-distilled Flux (flux-dev) during training."""
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
+    """DDPM models (SDXL): auto uses the scheduler's prediction type."""
+    min_snr_gamma: float | None = Field(None, gt=0)
+    """DDPM models: min-SNR loss weighting with this gamma (5.0 is the paper's); off when unset."""
+
+
 class OptimizerConfig(_Section):
     name: Literal["adamw"] = "adamw"
     """AdamW; DeepSpeed's CPU Adam is used automatically when the optimizer is offloaded."""
@@ -170,6 +199,10 @@ class OptimizerConfig(_Section):
     """Adam epsilon."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup from 0 over this many optimizer steps."""
 
 
 class HardwareConfig(_Section):
@@ -258,6 +291,13 @@ class RunConfig(_Section):
     """GPUs and nodes to plan for."""
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
     """Search space and calibration constants of the memory planner."""
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    """Training objective: flow matching (Flux, SD3) or DDPM (SDXL)."""
+    deepspeed: Literal["auto"] | Path | dict = "auto"
+    """auto: the planner chooses and writes the DeepSpeed config. A path to a DeepSpeed JSON, or an
+    inline mapping, is used as given (after a warning if the planner predicts it will not fit)."""
+    output_dir: Path = Path("runs/zerotrain")
+    """Run folder: resolved config, plan, DeepSpeed JSON, checkpoints, metrics, exported weights."""
 
     @model_validator(mode="after")
     def _batch_fits_world(self) -> RunConfig:

@@ -1,0 +1,190 @@
+"""Train a diffusion model with DeepSpeed, with the memory planner's configuration.
+
+    deepspeed zerotrain/train.py --config run.yaml [--set key=value ...]
+    deepspeed --include localhost:0,1 zerotrain/train.py --config run.yaml   # choose GPUs this way
+    torchrun --nproc_per_node 8 zerotrain/train.py --config run.yaml
+    srun python zerotrain/train.py --config run.yaml                         # ranks from SLURM_*
+    python zerotrain/train.py --config run.yaml                              # one process
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 zerotrain/train.py --config examples/tiny-cpu.yaml
+
+Reads top to bottom: parse, validate, plan, data, model, loop, checkpoint, export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from zerotrain.checkpoint import find, load, save
+from zerotrain.config import RunConfig, load_config
+from zerotrain.distributed import Topology, barrier, topology
+from zerotrain.errors import ZerotrainError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="zerotrain train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True, help="run config (YAML, JSON or TOML)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    return parser.parse_args(argv)
+
+
+def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object]:
+    """Rank 0 plans for the real world size; every rank computes the same plan from the same
+    inputs, so nothing needs broadcasting. A given DeepSpeed config is used as is."""
+    from zerotrain.hardware import hardware_facts
+    from zerotrain.planner.deepspeed_json import deepspeed_config, validate
+    from zerotrain.planner.facts import measure_model
+    from zerotrain.planner.search import plan
+
+    hw = hardware_facts(run.hardware)
+    per_node = topo.world_size // run.hardware.nodes or 1
+    hw = dataclasses.replace(hw, gpus_per_node=per_node, nodes=topo.world_size // per_node)
+    result = plan(measure_model(spec, run), hw, run)
+    if run.deepspeed != "auto":
+        given = run.deepspeed if isinstance(run.deepspeed, dict) else json.loads(Path(run.deepspeed).read_text())
+        return given, result
+    if result.chosen is None:
+        raise ZerotrainError("the planner finds no configuration that fits: " + "; ".join(result.reasons[-1:]) +
+                             " (run zerotrain plan for suggestions)")
+    config = deepspeed_config(result.chosen.layout, run, topo.world_size)
+    validate(config)
+    return config, result
+
+
+def write_run_folder(run: RunConfig, ds_config: dict, plan_result, topo: Topology) -> None:
+    if topo.is_main:
+        run.output_dir.mkdir(parents=True, exist_ok=True)
+        (run.output_dir / "config.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
+        (run.output_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
+        (run.output_dir / "plan.json").write_text(json.dumps(plan_result.to_json(), indent=1, default=str))
+    barrier()
+
+
+def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """Floating tensors in the model's dtype on its device; integer tensors just moved."""
+    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in batch.items()}
+
+
+def train(args: argparse.Namespace) -> int:
+    import deepspeed
+
+    from zerotrain.data.prepare import make_loader, prepare
+    from zerotrain.engine import apply_mode, build_engine, load_denoiser
+    from zerotrain.export import export
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.models.families import check_resolution
+    from zerotrain.objectives import make_objective
+
+    # Parse and validate everything before any model loads.
+    run = load_config(args.config, args.overrides)
+    topo = topology()
+    spec = resolve_model(run.model)
+    check_resolution(spec, run.data.resolution)
+    if spec.pretrained is None:
+        raise ZerotrainError(f"model.name_or_path={spec.name}: training needs a diffusers model folder or hub id")
+    checkpoint = find(run.output_dir, run.training.resume)
+    if topo.world_size > 1:
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
+
+    # Plan, and record the run.
+    ds_config, plan_result = plan_deepspeed(run, spec, topo)
+    write_run_folder(run, ds_config, plan_result, topo)
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    accumulation = ds_config["gradient_accumulation_steps"]
+    checkpointing = plan_result.chosen.layout.gradient_checkpointing if plan_result.chosen else False
+
+    # Data: build or top up the cache (the encoders are freed before the model loads).
+    from zerotrain.models.conditioning import encoder_folder
+
+    folder = encoder_folder(spec, spec.pretrained, run.model.revision)
+    prepared = prepare(run, spec, topo, device)
+    loader, sampler = make_loader(prepared, run, micro, topo, pin_memory=device.type == "cuda")
+    if topo.is_main:
+        for line in prepared.summary():
+            print(line, flush=True)
+
+    # Model and engine.
+    scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution)
+    model = load_denoiser(spec, folder)
+    apply_mode(model, spec, run, checkpointing)
+    engine = build_engine(model, ds_config, run)
+    generator = torch.Generator().manual_seed(run.training.seed * 100_003 + topo.rank)
+    step = 0
+    if checkpoint is not None:
+        state = load(engine, checkpoint, topo, {"objective": generator})
+        step = state["step"]
+        sampler.load_state_dict(state["sampler"])
+        if topo.is_main:
+            print(f"resumed from {checkpoint} at step {step}", flush=True)
+    sampler.set_epoch(sampler.state_dict()["epoch"])
+    batches = iter(loader)
+    metrics = (run.output_dir / "metrics.jsonl").open("a") if topo.is_main else None
+    images_per_step = run.training.global_batch_size
+
+    # The loop: one iteration is one optimizer step of `accumulation` micro-batches.
+    while step < run.training.max_steps:
+        started = time.perf_counter()
+        losses = []
+        for _ in range(accumulation):
+            batch = next(batches, None)
+            if batch is None:  # an epoch ends exactly at a step boundary (see data/sampler.py)
+                sampler.set_epoch(sampler.state_dict()["epoch"] + 1)
+                batches = iter(loader)
+                batch = next(batches)
+            inputs = objective.prepare(batch, generator)
+            kwargs = to_device(inputs.model_kwargs, device, torch.bfloat16)
+            pred = engine(**kwargs, return_dict=False)[0]
+            loss = objective.loss(pred, dataclasses.replace(inputs, target=inputs.target.to(device),
+                                                            weights=None if inputs.weights is None
+                                                            else inputs.weights.to(device)))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        sampler.advance()
+        step += 1
+        mean_loss = torch.stack(losses).mean()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(mean_loss)
+            mean_loss /= topo.world_size
+        record = {"step": step, "epoch": sampler.state_dict()["epoch"], "images": step * images_per_step,
+                  "loss": mean_loss.item(), "lr": engine.get_lr()[0], "seconds": time.perf_counter() - started}
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            print(f"step {step}/{run.training.max_steps} epoch {record['epoch']} loss {record['loss']:.5f} "
+                  f"lr {record['lr']:.2e}", flush=True)
+        if step % run.training.checkpoint_every == 0 or step == run.training.max_steps:
+            state = {"step": step, "sampler": sampler.state_dict(), "images": step * images_per_step}
+            save(engine, run.output_dir, step, topo, state, {"objective": generator}, run.training.keep_checkpoints)
+
+    # Close: export weights diffusers loads.
+    if topo.is_main:
+        print(f"exported to {export(run.output_dir)}", flush=True)
+    barrier()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return train(args)
+    except ZerotrainError as err:
+        if args.debug:
+            raise
+        print(f"zerotrain: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
