@@ -77,6 +77,7 @@ def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
 def train(args: argparse.Namespace) -> int:
     import deepspeed
 
+    from zerotrain.data.cache import model_folder
     from zerotrain.data.prepare import make_loader, prepare
     from zerotrain.engine import apply_mode, build_engine, load_denoiser
     from zerotrain.export import export
@@ -89,8 +90,6 @@ def train(args: argparse.Namespace) -> int:
     topo = topology()
     spec = resolve_model(run.model)
     check_resolution(spec, run.data.resolution)
-    if spec.pretrained is None:
-        raise ZerotrainError(f"model.name_or_path={spec.name}: training needs a diffusers model folder or hub id")
     checkpoint = find(run.output_dir, run.training.resume)
     if topo.world_size > 1:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -104,10 +103,8 @@ def train(args: argparse.Namespace) -> int:
     checkpointing = plan_result.chosen.layout.gradient_checkpointing if plan_result.chosen else False
 
     # Data: build or top up the cache (the encoders are freed before the model loads).
-    from zerotrain.models.conditioning import encoder_folder
-
-    folder = encoder_folder(spec, spec.pretrained, run.model.revision)
     prepared = prepare(run, spec, topo, device)
+    folder = model_folder(spec, run.model.revision, run.data.cache_dir / "models")
     loader, sampler = make_loader(prepared, run, micro, topo, pin_memory=device.type == "cuda")
     if topo.is_main:
         for line in prepared.summary():

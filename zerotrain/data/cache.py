@@ -79,10 +79,14 @@ def encode_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def model_folder(spec: ModelSpec, revision: str | None = None) -> Path:
-    """The local diffusers folder that holds the VAE and text encoders."""
+def model_folder(spec: ModelSpec, revision: str | None = None, tiny_root: Path | None = None) -> Path:
+    """The local diffusers folder that holds the VAE and text encoders. The catalog's tiny-*
+    models are built locally (under tiny_root) since they have no published weights."""
     from zerotrain.models.conditioning import encoder_folder
+    from zerotrain.models.tiny import TINY_NAMES, ensure_tiny_pipeline
 
+    if spec.pretrained is None and spec.name in TINY_NAMES and tiny_root is not None:
+        return ensure_tiny_pipeline(spec.name, tiny_root)
     if spec.pretrained is None:
         raise ZerotrainError(f"model.name_or_path={spec.name}: caching needs the model's VAE and text encoders; "
                              "point it at a diffusers model folder or hub id, not a bare config.json")

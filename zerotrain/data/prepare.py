@@ -67,7 +67,7 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
     discovery = discover(run.data)
     from zerotrain.models.conditioning import encoders_identity
 
-    source = model_folder(spec, run.model.revision)
+    source = model_folder(spec, run.model.revision, run.data.cache_dir / "models")
     identity = encoders_identity(spec, source, encode_dtype(device))
     planned, skipped = plan_items(discovery, run, spec, identity)
     discovery.verdicts += skipped

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import shutil
 import string
 from collections import Counter
 from pathlib import Path
@@ -290,3 +292,19 @@ def _t5_tokenizer() -> Any:
     )
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), *pieces]
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
+
+
+def ensure_tiny_pipeline(name: str, root: Path) -> Path:
+    """The tiny model folder under `root`, built once (atomically) and reused: what a catalog
+    tiny-* name trains from, since no weights exist for it anywhere else."""
+    folder = Path(root) / name
+    if (folder / "model_index.json").is_file():
+        return folder
+    tmp = Path(root) / f".{name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_pipeline(name, tmp)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
