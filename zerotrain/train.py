@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -60,6 +62,19 @@ def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object]:
     return config, result
 
 
+def standalone_rendezvous() -> None:
+    """A plain `python zerotrain/train.py` has no launcher: act as a one-process launcher and
+    set the rendezvous variables one would set, on a free local port (otherwise DeepSpeed falls
+    back to MPI discovery)."""
+    if "MASTER_ADDR" in os.environ:
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"})
+
+
 def write_run_folder(run: RunConfig, ds_config: dict, plan_result, topo: Topology) -> None:
     if topo.is_main:
         run.output_dir.mkdir(parents=True, exist_ok=True)
@@ -69,9 +84,12 @@ def write_run_folder(run: RunConfig, ds_config: dict, plan_result, topo: Topolog
     barrier()
 
 
-def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """Floating tensors in the model's dtype on its device; integer tensors just moved."""
-    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in batch.items()}
+def to_device(value, device: torch.device):
+    """Tensors (also inside dicts, like SDXL's added_cond_kwargs) moved to the model's device;
+    dtypes are the objective's choice."""
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def train(args: argparse.Namespace) -> int:
@@ -91,8 +109,9 @@ def train(args: argparse.Namespace) -> int:
     spec = resolve_model(run.model)
     check_resolution(spec, run.data.resolution)
     checkpoint = find(run.output_dir, run.training.resume)
-    if topo.world_size > 1:
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if topo.world_size == 1:
+        standalone_rendezvous()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
 
     # Plan, and record the run.
@@ -112,7 +131,7 @@ def train(args: argparse.Namespace) -> int:
 
     # Model and engine.
     scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-    objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution)
+    objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
     model = load_denoiser(spec, folder)
     apply_mode(model, spec, run, checkpointing)
     engine = build_engine(model, ds_config, run)
@@ -140,7 +159,7 @@ def train(args: argparse.Namespace) -> int:
                 batches = iter(loader)
                 batch = next(batches)
             inputs = objective.prepare(batch, generator)
-            kwargs = to_device(inputs.model_kwargs, device, torch.bfloat16)
+            kwargs = to_device(inputs.model_kwargs, device)
             pred = engine(**kwargs, return_dict=False)[0]
             loss = objective.loss(pred, dataclasses.replace(inputs, target=inputs.target.to(device),
                                                             weights=None if inputs.weights is None

@@ -71,16 +71,19 @@ def deepspeed_config(layout: Layout, run: RunConfig, world_size: int) -> dict[st
 
 
 def validate(config: dict[str, Any]) -> None:
-    """Let DeepSpeed's own config class check the dict. Offline it sees a world of 1, so the
-    batch numbers are checked on a world-1 copy (train_batch = micro x accumulation); the real
-    world size is checked by search.check_batch."""
+    """Let DeepSpeed's own config class check the dict. Inside a process group it checks the
+    real world size; offline it sees a world of 1, so the batch numbers are checked on a world-1
+    copy (train_batch = micro x accumulation), and search.check_batch checks the real world."""
     # DeepSpeed's logger writes to the stdout it finds at import; bind it to stderr so that
     # `zerotrain plan --json` prints only JSON.
     with contextlib.redirect_stdout(sys.stderr):
         from deepspeed.runtime.config import DeepSpeedConfig
 
+    import torch
+
     copy = json.loads(json.dumps(config))
-    copy["train_batch_size"] = copy["train_micro_batch_size_per_gpu"] * copy["gradient_accumulation_steps"]
+    if not torch.distributed.is_initialized():  # offline DeepSpeed assumes a world of 1
+        copy["train_batch_size"] = copy["train_micro_batch_size_per_gpu"] * copy["gradient_accumulation_steps"]
     try:
         DeepSpeedConfig(copy)
     except Exception as err:  # DeepSpeed raises assorted types for a bad config

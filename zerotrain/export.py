@@ -1,0 +1,596 @@
+"""Export a run's checkpoint as weights that diffusers (and ComfyUI) load, offline, on the CPU.
+
+Run folder (written by the training loop):
+
+    RUN/config.yaml                 the resolved RunConfig
+    RUN/checkpoints/<tag>/          DeepSpeed engine.save_checkpoint files (+ zerotrain_state.json)
+    RUN/checkpoints/latest          the newest complete tag
+    RUN/export/                     what `export` writes (default `out`)
+
+The full weights come from DeepSpeed's own files, never from a live (possibly ZeRO-3 partitioned)
+module, so nothing can be saved as size-0 tensors (kohya#1782):
+
+- ZeRO 1-3: deepspeed.utils.zero_to_fp32 merges the fp32 master partitions of every rank
+  (get_fp32_state_dict_from_zero_checkpoint, lazily, one tensor at a time).
+- Stage 0 (bf16 without ZeRO, DeepSpeed's FP16_Optimizer / FP16_UnfusedOptimizer): the fp32 master
+  is in the "optimizer" entry of mp_rank_00_model_states.pt as flat groups without names. They are
+  matched to the trainable parameters in module order, each slice checked to round to the bf16
+  module tensor DeepSpeed saved beside it; where that does not match (another group layout), the
+  bf16 module tensors are used, which DeepSpeed keeps equal to the master rounded to bf16.
+- ZeRO-1 with fp32 gradient accumulation (BF16_Optimizer, no ZeRO state in its optimizer file):
+  the bf16 module tensors of mp_rank_00_model_states.pt, for the same reason.
+
+Every tensor is checked against the shapes of the denoiser built on the meta device (with the run's
+LoRA adapters), must have data (numel > 0), and is written in bf16 without "module." prefixes:
+
+- full fine-tune: OUT/transformer (Flux, SD3) or OUT/unet (SDXL, SD1.x), via save_pretrained;
+- LoRA: OUT/lora/pytorch_lora_weights.safetensors, via the family pipeline's save_lora_weights, in
+  the key format of peft's get_peft_model_state_dict, with the adapter's rank and alpha as diffusers'
+  lora_adapter_metadata so load_lora_weights applies the trained scale alpha / rank;
+- comfyui=True: also OUT/comfyui/<run>-<tag>.safetensors, see comfyui_lora_state_dict (LoRA) or a
+  single-file denoiser with diffusers keys, which ComfyUI's "Load Diffusion Model" converts (full).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import re
+import shutil
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotrain.config import Mode, RunConfig, load_config
+from zerotrain.errors import ZerotrainError
+from zerotrain.models.catalog import ModelSpec, resolve_model
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+EXPORT = "export"
+CONFIG = "config.yaml"
+MANIFEST = "export.json"
+LORA_DIR = "lora"
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+COMFYUI_DIR = "comfyui"
+ADAPTER = "default"
+# Wrappers that prefix parameter names: DeepSpeed/DDP ("module.", diffusers#9393), torch.compile
+# ("_orig_mod."), peft's get_peft_model ("base_model.model.").
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+_ZERO_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+_MODEL_STATES = "mp_rank_00_model_states.pt"
+# peft's injected adapter name inside parameter names: "x.lora_A.default.weight".
+_ADAPTER_IN_NAME = re.compile(rf"\.{ADAPTER}(?=\.|$)")
+
+
+def latest_tag(run_dir: Path) -> str:
+    """The newest complete checkpoint tag of a run folder (RUN/checkpoints/latest)."""
+    path = Path(run_dir) / CHECKPOINTS / LATEST
+    if not path.is_file():
+        raise ZerotrainError(
+            f"{run_dir}: no checkpoint to export ({path} not found); train until a checkpoint is written, "
+            "or pass the tag of one"
+        )
+    tag = path.read_text(encoding="utf-8").strip()
+    if not tag:
+        raise ZerotrainError(f"{path} is empty; pass the tag of a checkpoint under {path.parent}")
+    return tag
+
+
+def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfyui: bool = False) -> Path:
+    """Write the weights of checkpoint `tag` (default: the latest) of `run_dir` into `out` (default
+    RUN/export) and return `out`. See the module docstring for the layout."""
+    run_dir = Path(run_dir)
+    run = _load_run(run_dir)
+    spec = resolve_model(run.model)
+    tag = tag or latest_tag(run_dir)
+    checkpoint = _checkpoint_dir(run_dir, tag)
+    lora = run.training.mode is Mode.lora
+    meta = _meta_model(spec, run)
+    expected = {name: tuple(t.shape) for name, t in meta.state_dict().items() if not lora or "lora_" in name}
+    weights, source = read_checkpoint(run_dir / CHECKPOINTS, tag, expected, lora)
+    out = Path(out) if out is not None else run_dir / EXPORT
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{run_dir.resolve().name}-{tag}"
+    if lora:
+        files = _write_lora(out, spec, meta, weights, comfyui, name)
+    else:
+        files = _write_full(out, spec, weights, comfyui, name)
+    state_path = checkpoint / "zerotrain_state.json"
+    manifest = {
+        "run": str(run_dir.resolve()),
+        "tag": tag,
+        "model": spec.name,
+        "class_name": spec.class_name,
+        "family": spec.family,
+        "mode": run.training.mode.value,
+        "source": source,
+        "dtype": "bfloat16",
+        "tensors": len(weights),
+        "parameters": sum(t.numel() for t in weights.values()),
+        "files": [str(path.relative_to(out)) for path in files],
+        "state": json.loads(state_path.read_text(encoding="utf-8")) if state_path.is_file() else None,
+    }
+    if lora:
+        manifest["lora"] = {"rank": run.training.lora.rank, "alpha": run.training.lora.alpha or run.training.lora.rank}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+
+def read_checkpoint(
+    checkpoints: Path, tag: str, expected: dict[str, tuple[int, ...]], lora: bool
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of `expected` (names without wrapper prefixes -> shapes) from DeepSpeed checkpoint
+    `checkpoints/tag`, in bf16, each checked for data and shape; and where they came from.
+    lora: read only the LoRA tensors (ZeRO merges only trainable parameters then)."""
+    checkpoint = checkpoints / tag
+    states_path = _model_states_path(checkpoint)
+    states = _torch_load(states_path)
+    stage = _zero_stage(states, states_path)
+    if stage == 0:
+        module = _strip_names(states.get("module") or {}, states_path)
+        master = _stage0_master(states.get("optimizer"), module, expected) or {}
+        source = "bf16 module weights (stage 0)"
+        if master:
+            source = f"fp32 master weights (stage 0 optimizer state) for {len(master)} of {len(expected)} tensors"
+        tensors: Iterable[tuple[str, Any]] = ((n, master.get(n, t)) for n, t in module.items())
+    elif _zero_optimizer_state(checkpoint):
+        tensors = _zero_to_fp32(checkpoints, tag, lora)
+        source = f"fp32 master weights (ZeRO-{stage} partitions merged by deepspeed.utils.zero_to_fp32)"
+    elif stage < 3:
+        tensors, source = _strip_names(states.get("module") or {}, states_path).items(), "bf16 module weights"
+    else:
+        raise ZerotrainError(f"{checkpoint}: ZeRO-3 checkpoint without ZeRO optimizer states; it is incomplete")
+    return _checked(tensors, expected, lora, checkpoint), source
+
+
+def _checked(
+    tensors: Iterable[tuple[str, Any]], expected: dict[str, tuple[int, ...]], lora: bool, where: Path
+) -> dict[str, torch.Tensor]:
+    """Materialise the wanted tensors (LoRA: only lora_ ones) one at a time in bf16; every one must
+    have data and the expected shape, and every expected name must be there."""
+    out: dict[str, torch.Tensor] = {}
+    empty, wrong = [], []
+    for raw_name, value in tensors:
+        name = strip_prefixes(raw_name)
+        if lora and "lora_" not in name:
+            continue  # the frozen base
+        if name not in expected:
+            wrong.append(f"{name} (not in the model)")
+            continue
+        tensor = value if isinstance(value, torch.Tensor) else value.contiguous()  # zero_to_fp32's lazy tensors
+        if tensor.numel() == 0:
+            empty.append(name)
+        elif tuple(tensor.shape) != expected[name]:
+            wrong.append(f"{name} {tuple(tensor.shape)} != {expected[name]}")
+        else:
+            out[name] = tensor.detach().to(torch.bfloat16).contiguous()
+    if empty:
+        raise ZerotrainError(
+            f"{where}: {len(empty)} tensors have no data (size 0), e.g. {empty[0]}; the checkpoint holds "
+            "unmerged ZeRO-3 partitions where full weights were expected"
+        )
+    if wrong:
+        raise ZerotrainError(
+            f"{where}: {len(wrong)} tensors do not fit the run's model, e.g. {wrong[0]}; "
+            f"was it trained with another model or mode than {CONFIG} says?"
+        )
+    missing = [name for name in expected if name not in out]
+    if missing:
+        raise ZerotrainError(
+            f"{where}: {len(missing)} of the model's {len(expected)} tensors are missing, e.g. {missing[0]}; "
+            f"was it trained with another model or mode than {CONFIG} says?"
+        )
+    return out
+
+
+def strip_prefixes(name: str) -> str:
+    """Drop wrapper prefixes ("module.", "_orig_mod.", "base_model.model.") from a parameter name."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name
+
+
+def _strip_names(state: dict[str, Any], where: Path) -> dict[str, Any]:
+    out = {}
+    for name, value in state.items():
+        key = strip_prefixes(name)
+        if key in out:
+            raise ZerotrainError(f"{where}: two tensors are named {key} once prefixes are dropped")
+        out[key] = value
+    return out
+
+
+def _model_states_path(checkpoint: Path) -> Path:
+    if any(checkpoint.glob("*mp_rank_01_*")):
+        raise ZerotrainError(f"{checkpoint}: tensor-parallel checkpoints (mp_rank_01) are not supported")
+    for name in (_MODEL_STATES, _ZERO_MODEL_STATES):
+        if (checkpoint / name).is_file():
+            return checkpoint / name
+    raise ZerotrainError(
+        f"{checkpoint}: no DeepSpeed model states ({_MODEL_STATES} or {_ZERO_MODEL_STATES}); "
+        "the checkpoint is incomplete or not a DeepSpeed checkpoint"
+    )
+
+
+def _torch_load(path: Path) -> dict[str, Any]:
+    """A DeepSpeed checkpoint file (pickled config and optimizer objects, hence weights_only=False:
+    only load run folders you trust), memory-mapped so large tensors are read only when used."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # torch raises assorted types for a truncated or foreign file
+        raise ZerotrainError(f"{path}: cannot be read ({_one_line(err)}); the checkpoint is damaged") from err
+
+
+def _zero_stage(states: dict[str, Any], path: Path) -> int:
+    config = states.get("ds_config")
+    if isinstance(config, dict):
+        return int((config.get("zero_optimization") or {}).get("stage", 0))
+    return 3 if path.name == _ZERO_MODEL_STATES else (1 if any(path.parent.glob("*_optim_states.pt")) else 0)
+
+
+def _zero_optimizer_state(checkpoint: Path) -> bool:
+    """Whether the checkpoint's optimizer files hold ZeRO state (zero_to_fp32 can merge them);
+    BF16_Optimizer's files have no zero_stage."""
+    files = sorted(checkpoint.glob("*_optim_states.pt"))
+    if not files:
+        return False
+    state = _torch_load(files[0]).get("optimizer_state_dict") or {}
+    return "zero_stage" in state
+
+
+def _zero_to_fp32(checkpoints: Path, tag: str, trainable_only: bool) -> Iterator[tuple[str, Any]]:
+    with contextlib.redirect_stdout(sys.stderr):  # zero_to_fp32 prints its progress
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(
+                str(checkpoints), tag=tag, exclude_frozen_parameters=trainable_only, lazy_mode=True
+            )
+        except (FileNotFoundError, ValueError, KeyError, NotImplementedError) as err:
+            raise ZerotrainError(
+                f"{checkpoints / tag}: DeepSpeed cannot merge the ZeRO checkpoint ({_one_line(err)})"
+            ) from err
+    return iter(state.items())
+
+
+def _stage0_master(optimizer: Any, module: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
+    """Stage 0's fp32 master tensors by name, or None when they cannot be matched with certainty.
+
+    FP16_Optimizer saves one flat fp32 tensor per parameter group ("fp32_groups_flat"),
+    FP16_UnfusedOptimizer a list per group ("fp32_groups"); neither names the parameters. Each group
+    is the trainable parameters it was given, in order: walk the module's parameters in order and
+    take the next slice of the group for each one whose slice rounds exactly to the bf16 tensor
+    DeepSpeed saved for it (DeepSpeed copies master -> bf16 after every step)."""
+    if not isinstance(optimizer, dict):
+        return None
+    if isinstance(optimizer.get("fp32_groups_flat"), (list, tuple)):
+        groups = [flat.reshape(-1) for flat in optimizer["fp32_groups_flat"]]
+    elif isinstance(optimizer.get("fp32_groups"), (list, tuple)):
+        groups = [torch.cat([t.reshape(-1) for t in group]) for group in optimizer["fp32_groups"] if len(group)]
+    else:
+        return None
+    remaining = [n for n, t in module.items() if n in expected and isinstance(t, torch.Tensor) and t.is_floating_point()]
+    master: dict[str, torch.Tensor] = {}
+    for flat in groups:
+        position, unmatched = 0, []
+        for name in remaining:
+            reference = module[name]
+            size = reference.numel()
+            piece = flat[position:position + size]
+            if size and piece.numel() == size and torch.equal(piece.to(reference.dtype), reference.reshape(-1)):
+                master[name] = piece.view(reference.shape)
+                position += size
+            else:
+                unmatched.append(name)
+        if position != flat.numel():
+            return None
+        remaining = unmatched
+    return master
+
+
+# --- the model -------------------------------------------------------------------------------------
+
+
+def _load_run(run_dir: Path) -> RunConfig:
+    path = run_dir / CONFIG
+    if not path.is_file():
+        raise ZerotrainError(f"{run_dir}: not a zerotrain run folder ({path} not found)")
+    return load_config(path)
+
+
+def _checkpoint_dir(run_dir: Path, tag: str) -> Path:
+    checkpoints = run_dir / CHECKPOINTS
+    checkpoint = checkpoints / tag
+    if not checkpoint.is_dir() or "/" in tag or tag in (".", ".."):
+        found = sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) if checkpoints.is_dir() else []
+        raise ZerotrainError(
+            f"{run_dir}: no checkpoint '{tag}' under {checkpoints}; "
+            + (f"found: {', '.join(found)}" if found else "the run has no checkpoints yet")
+        )
+    return checkpoint
+
+
+def _meta_model(spec: ModelSpec, run: RunConfig) -> torch.nn.Module:
+    """The denoiser as the run trained it, on the meta device: the shapes every tensor must have."""
+    from zerotrain.planner.trace import apply_lora, build_meta_model
+
+    model = build_meta_model(spec)
+    if run.training.mode is Mode.lora:
+        apply_lora(model, spec, run)
+    return model
+
+
+def denoiser_folder(spec: ModelSpec) -> str:
+    """Where a diffusers pipeline folder keeps this denoiser."""
+    return "unet" if spec.family == "unet" else "transformer"
+
+
+def pipeline_class(spec: ModelSpec) -> type:
+    """The diffusers pipeline whose LoRA loader matches the denoiser."""
+    import diffusers
+
+    if spec.family == "flux":
+        return diffusers.FluxPipeline
+    if spec.family == "sd3":
+        return diffusers.StableDiffusion3Pipeline
+    if spec.config.get("addition_embed_type") == "text_time":
+        return diffusers.StableDiffusionXLPipeline
+    return diffusers.StableDiffusionPipeline
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _replacing(target: Path) -> Iterator[Path]:
+    """A fresh sibling folder to write into, which replaces `target` once complete."""
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if target.is_dir():
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+    partial.rename(target)
+
+
+def _write_full(out: Path, spec: ModelSpec, weights: dict[str, torch.Tensor], comfyui: bool, name: str) -> list[Path]:
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            model = spec.denoiser_class().from_config(spec.config)
+        try:
+            model.load_state_dict(weights, strict=True, assign=True)
+        except RuntimeError as err:
+            raise ZerotrainError(f"the checkpoint does not load into {spec.class_name}: {_one_line(err)}") from err
+        leftover = [n for n, t in model.state_dict().items() if t.device.type == "meta"]
+        if leftover:
+            raise ZerotrainError(f"{spec.class_name}: {leftover[0]} has no weights after loading the checkpoint")
+        folder = out / denoiser_folder(spec)
+        with _replacing(folder) as partial:
+            model.save_pretrained(partial, safe_serialization=True)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if comfyui:
+        files.append(_save_single_file(out / COMFYUI_DIR / f"{name}.safetensors", weights, {"format": "pt"}))
+    return files
+
+
+def _write_lora(
+    out: Path, spec: ModelSpec, meta: torch.nn.Module, weights: dict[str, torch.Tensor], comfyui: bool, name: str
+) -> list[Path]:
+    from peft import get_peft_model_state_dict
+
+    layers = get_peft_model_state_dict(meta, state_dict=weights, adapter_name=ADAPTER)
+    if len(layers) != len(weights) or any(k.startswith("module.") or f".{ADAPTER}." in k for k in layers):
+        raise ZerotrainError(f"internal: peft kept {len(layers)} of {len(weights)} LoRA tensors or left prefixes")
+    config = meta.peft_config[ADAPTER]
+    component = denoiser_folder(spec)
+    cls = pipeline_class(spec)
+    kwargs: dict[str, Any] = {f"{component}_lora_layers": layers}
+    metadata_arg = f"{component}_lora_adapter_metadata"
+    if metadata_arg in inspect.signature(cls.save_lora_weights).parameters:
+        pass
+    else:  # older diffusers infers alpha = rank: fold the scale into B instead
+        scale = config.lora_alpha / config.r
+        kwargs[f"{component}_lora_layers"] = {
+            k: (v.float() * scale).to(v.dtype) if ".lora_B." in k else v for k, v in layers.items()
+        }
+    folder = out / LORA_DIR
+    with _replacing(folder) as partial:
+        cls.save_lora_weights(partial, safe_serialization=True, **kwargs)
+    files = [folder / LORA_WEIGHTS]
+    if not files[0].is_file():
+        raise ZerotrainError(f"internal: {cls.__name__}.save_lora_weights wrote no {LORA_WEIGHTS}")
+    if comfyui:
+        comfy = comfyui_lora_state_dict(spec, meta, layers, config.lora_alpha)
+        meta_info = {"format": "pt", "ss_network_dim": str(config.r), "ss_network_alpha": str(config.lora_alpha)}
+        files.append(_save_single_file(out / COMFYUI_DIR / f"{name}.safetensors", comfy, meta_info))
+    return files
+
+
+def lora_metadata(config: Any) -> dict[str, Any]:
+    """The LoraConfig arguments diffusers needs to rebuild the adapter (its lora_adapter_metadata):
+    rank, alpha and targets, as diffusers' own get_peft_kwargs derives them."""
+    return {
+        "r": int(config.r),
+        "lora_alpha": float(config.lora_alpha),
+        "target_modules": sorted(config.target_modules) if not isinstance(config.target_modules, str)
+        else config.target_modules,
+        "rank_pattern": dict(config.rank_pattern or {}),
+        "alpha_pattern": dict(config.alpha_pattern or {}),
+        "use_dora": bool(config.use_dora),
+        "lora_bias": bool(getattr(config, "lora_bias", False)),
+    }
+
+
+def _save_single_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    from safetensors.torch import save_file
+
+    empty = [k for k, v in tensors.items() if v.numel() == 0]
+    if empty or any(k.startswith("module.") for k in tensors):
+        raise ZerotrainError(f"internal: refusing to write {path}: empty tensor or module. prefix ({(empty or [''])[0]})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)
+    partial.replace(path)
+    return path
+
+
+# --- ComfyUI ---------------------------------------------------------------------------------------
+
+# FluxTransformer2DModel module -> Black Forest Labs' module, as ComfyUI maps them
+# (comfy/utils.py flux_to_diffusers) and kohya sd-scripts names Flux LoRAs. Fused BFL layers list
+# their diffusers parts in output order (q, k, v[, mlp]).
+_FLUX_DOUBLE = {
+    "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
+    "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
+    "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
+    "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+}
+_FLUX_DOUBLE_FUSED = {
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+}
+_FLUX_SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2"}
+_FLUX_SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
+_FLUX_TOP = {
+    "x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",  # (shift, scale) rows swapped to (scale, shift)
+}
+_FLUX_SWAPPED = {"final_layer.adaLN_modulation.1"}
+_BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
+
+
+def comfyui_lora_state_dict(
+    spec: ModelSpec, model: torch.nn.Module, layers: dict[str, torch.Tensor], alpha: float
+) -> dict[str, torch.Tensor]:
+    """The LoRA in the kohya naming ComfyUI loads: "<name>.lora_down.weight" (A), ".lora_up.weight"
+    (B) and ".alpha" (ComfyUI and kohya scale by alpha / rank, rank = lora_down rows).
+
+    <name> per family, as ComfyUI's comfy/lora.py model_lora_keys_unet maps it:
+    - Flux: "lora_unet_" + the Black Forest Labs module path with "." -> "_" (kohya sd-scripts' Flux
+      names, e.g. lora_unet_double_blocks_0_img_attn_qkv). Diffusers' separate q/k/v (and a single
+      block's proj_mlp) are one fused layer there: their A matrices are stacked (rank 3r or 4r) and
+      their B matrices placed block-diagonally at their output rows, zero rows for parts without a
+      LoRA; alpha grows with the rank so the scale stays alpha / r. Exact, as kohya's own converter.
+    - SDXL / SD1.x UNets: "lora_unet_" + the diffusers module path with "." -> "_".
+    - SD3: "lora_transformer_" + the diffusers module path with "." -> "_" (OneTrainer's naming).
+    `layers` is in get_peft_model_state_dict's format ("<module>.lora_A.weight")."""
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, down in layers.items():
+        if key.endswith(".lora_A.weight"):
+            module = key[: -len(".lora_A.weight")]
+            up = layers.get(f"{module}.lora_B.weight")
+            if up is None:
+                raise ZerotrainError(f"internal: LoRA {module} has lora_A but no lora_B")
+            pairs[module] = (down, up)
+    if len(pairs) * 2 != len(layers):
+        extra = sorted(set(layers) - {f"{m}.lora_{x}.weight" for m in pairs for x in "AB"})
+        raise ZerotrainError(f"the ComfyUI export supports plain LoRA (lora_A/lora_B) only, found {extra[0]}")
+    if spec.family != "flux":
+        prefix = "lora_transformer_" if spec.family == "sd3" else "lora_unet_"
+        out: dict[str, torch.Tensor] = {}
+        for module, (down, up) in pairs.items():
+            name = prefix + module.replace(".", "_")
+            out.update(_kohya(name, down, up, alpha))
+        return out
+    return _flux_comfyui(model, pairs, alpha)
+
+
+def _kohya(name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.lora_down.weight": down.contiguous(),
+        f"{name}.lora_up.weight": up.contiguous(),
+        f"{name}.alpha": torch.tensor(float(alpha), dtype=torch.float32),
+    }
+
+
+def _flux_comfyui(
+    model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float
+) -> dict[str, torch.Tensor]:
+    plain: dict[str, str] = {}  # diffusers module -> BFL module
+    fused: dict[str, list[tuple[str, str]]] = {}  # BFL module -> [(part's diffusers module, ...)]
+    for module in pairs:
+        match = _BLOCK.match(module)
+        if match is None:
+            if module not in _FLUX_TOP:
+                raise ZerotrainError(f"LoRA on Flux module {module} has no ComfyUI (Black Forest Labs) name")
+            plain[module] = _FLUX_TOP[module]
+            continue
+        kind, index, rest = match.groups()
+        double = kind == "transformer_blocks"
+        block = f"{'double' if double else 'single'}_blocks.{index}"
+        simple, groups = (_FLUX_DOUBLE, _FLUX_DOUBLE_FUSED) if double else (_FLUX_SINGLE, _FLUX_SINGLE_FUSED)
+        if rest in simple:
+            plain[module] = f"{block}.{simple[rest]}"
+            continue
+        target = next((t for t, parts in groups.items() if rest in parts), None)
+        if target is None:
+            raise ZerotrainError(f"LoRA on Flux module {module} has no ComfyUI (Black Forest Labs) name")
+        fused.setdefault(f"{block}.{target}", [f"{kind}.{index}.{part}" for part in groups[target]])
+    out: dict[str, torch.Tensor] = {}
+    for module, target in plain.items():
+        down, up = pairs[module]
+        if target in _FLUX_SWAPPED:
+            shift, scale = up.chunk(2, dim=0)
+            up = torch.cat([scale, shift], dim=0)
+        out.update(_kohya("lora_unet_" + target.replace(".", "_"), down, up, alpha))
+    modules = dict(model.named_modules())
+    for target, parts in fused.items():
+        present = [part for part in parts if part in pairs]
+        rows = [_out_features(modules[part]) for part in parts]
+        ranks = [pairs[part][0].shape[0] for part in present]
+        rank = sum(ranks)
+        down = torch.cat([pairs[part][0] for part in present], dim=0)
+        first = pairs[present[0]][1]
+        up = first.new_zeros((sum(rows), rank))
+        row, column = 0, 0
+        for part, height in zip(parts, rows):
+            if part in pairs:
+                part_up = pairs[part][1]
+                up[row:row + height, column:column + part_up.shape[1]] = part_up
+                column += part_up.shape[1]
+            row += height
+        if any(r != ranks[0] for r in ranks):
+            raise ZerotrainError(f"LoRA parts of Flux {target} have different ranks {ranks}; cannot fuse them")
+        # Every part is scaled by alpha / r; the fused layer by its alpha / (sum of ranks).
+        out.update(_kohya("lora_unet_" + target.replace(".", "_"), down, up, alpha * rank / ranks[0]))
+    return out
+
+
+def _out_features(module: torch.nn.Module) -> int:
+    base = getattr(module, "base_layer", module)
+    return int(base.weight.shape[0])
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__

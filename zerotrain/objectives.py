@@ -1,0 +1,483 @@
+"""Training objectives: what one micro-step feeds the denoiser, and how its output is scored.
+
+- Flow matching (Flux, SD3), as diffusers' train_dreambooth_flux.py / train_dreambooth_sd3.py and the
+  pipelines: x_t = (1 - sigma) * x0 + sigma * noise, target noise - x0, t drawn as in the SD3 paper
+  (uniform, logit-normal or mode) and shifted toward noise, by a fixed shift or by the resolution-dependent
+  one FluxPipeline computes from the image sequence length.
+- DDPM (SDXL-style UNets), as train_text_to_image_sdxl.py: integer timesteps drawn uniformly,
+  scheduler.add_noise, an epsilon or v-prediction target, optional min-SNR loss weights.
+
+Every tensor function asserts its shapes, and t is always (batch,), broadcast explicitly. x-flux computes
+(1 - t) * x1 + t * x0 with t (batch,) against (batch, L, C) latents, which is only right at batch 1
+(FIELD_NOTES, item 12). All randomness comes from the caller's generator, so a step can be replayed from
+its seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from zerotrain.config.sections import ObjectiveConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.models.catalog import ModelSpec
+from zerotrain.models.families import check_resolution
+
+if TYPE_CHECKING:
+    from diffusers import DDPMScheduler
+
+# The mode density of the SD3 paper (eq. 20) maps [0, 1] onto [0, 1] only while it is monotonic,
+# which holds for mode_scale <= 2 / (pi - 2) (the paper's stated range for s).
+MAX_MODE_SCALE = 2 / (math.pi - 2)
+# calculate_shift's defaults when the scheduler config omits them, as each pipeline writes them:
+# FluxPipeline uses max_shift 1.15, StableDiffusion3Pipeline 1.16.
+_DYNAMIC_SHIFT_DEFAULTS = {
+    "flux": {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15},
+    "sd3": {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.16},
+}
+# Flux packs 2x2 latent patches into one token (FluxPipeline._pack_latents).
+_FLUX_PATCH = 2
+
+
+@dataclass
+class Prepared:
+    """What one training micro-step feeds the denoiser."""
+
+    model_kwargs: dict[str, Any]
+    """Keyword arguments of the diffusers denoiser's forward (the caller adds return_dict=False). Tensors,
+    except SDXL's added_cond_kwargs, a dict of tensors. Latents and text embeddings are in the model
+    dtype given to make_objective; timesteps, guidance, Flux's ids and SDXL's time ids stay float32."""
+    target: torch.Tensor
+    """Float32, the shape of the denoiser's output."""
+    weights: torch.Tensor | None
+    """(batch,) float32 per-sample loss weights, or None for uniform weights."""
+
+
+class Objective(Protocol):
+    def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared: ...
+
+    def loss(self, pred: torch.Tensor, prepared: Prepared) -> torch.Tensor: ...
+
+
+def make_objective(
+    spec: ModelSpec,
+    scheduler_config: dict[str, Any],
+    config: ObjectiveConfig,
+    resolution: int,
+    *,
+    model_dtype: torch.dtype = torch.float32,
+) -> Objective:
+    """The objective of spec's family. scheduler_config is the model folder's
+    scheduler/scheduler_config.json; resolution is data.resolution (checked against the model's pixel
+    factor; the Flux shift itself follows each batch's own sequence length, as FluxPipeline's does);
+    model_dtype is the denoiser's parameter dtype."""
+    if spec.family not in ("flux", "sd3", "unet"):
+        raise ZerotrainError(
+            f"model.name_or_path='{spec.name}': no training objective for family '{spec.family}'"
+        )
+    check_resolution(spec, resolution)
+    if spec.family in ("flux", "sd3"):
+        _check_flow_config(spec, config)
+        patch = _FLUX_PATCH if spec.family == "flux" else int(spec.config.get("patch_size", 2))
+        return FlowMatching(
+            family=spec.family,
+            config=config,
+            scheduler_config=dict(scheduler_config),
+            patch=patch,
+            guidance_embeds=spec.family == "flux" and bool(spec.config.get("guidance_embeds", False)),
+            num_train_timesteps=int(scheduler_config.get("num_train_timesteps", 1000)),
+            model_dtype=model_dtype,
+        )
+    return _make_ddpm(spec, scheduler_config, config, model_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared pieces: latents from the cached posterior, and the loss.
+
+
+def choose_flip(
+    batch: dict[str, torch.Tensor], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent posterior (mean, std) of each sample, (B, C, h, w): the horizontally flipped one with
+    probability 1/2 per sample when the batch carries latent_flip_mean/std, else the plain one."""
+    mean, std = batch["latent_mean"], batch["latent_std"]
+    _check_latents(mean, "latent_mean")
+    _check_same(std, mean, "latent_std", "latent_mean")
+    if "latent_flip_mean" not in batch:
+        return mean, std
+    flip_mean, flip_std = batch["latent_flip_mean"], batch["latent_flip_std"]
+    _check_same(flip_mean, mean, "latent_flip_mean", "latent_mean")
+    _check_same(flip_std, mean, "latent_flip_std", "latent_mean")
+    flip = _rand(mean.shape[0], generator, mean.device) < 0.5
+    pick = flip.view(-1, 1, 1, 1)
+    return torch.where(pick, flip_mean, mean), torch.where(pick, flip_std, std)
+
+
+def sample_posterior(mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """x0 = mean + std * noise in float32, (B, C, h, w): a fresh draw of the VAE posterior, as the
+    diffusers training scripts get by encoding every step (latent_dist.sample())."""
+    _check_latents(mean, "latent_mean")
+    _check_same(std, mean, "latent_std", "latent_mean")
+    return mean.float() + std.float() * _randn(mean.shape, generator, mean.device)
+
+
+def mse_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Float32 scalar: the squared error averaged over every non-batch dim, times weights (B,) when
+    given, averaged over the batch. A NaN stays a NaN: hiding one hides a diverged run."""
+    if pred.shape != target.shape:
+        raise ValueError(f"mse_loss: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
+    per_sample = (pred.float() - target.float()).pow(2).reshape(pred.shape[0], -1).mean(dim=1)
+    if weights is not None:
+        _check_batch(weights, pred.shape[0], "weights")
+        per_sample = per_sample * weights.float()
+    return per_sample.mean()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flow matching (Flux, SD3).
+
+
+def sample_flow_timesteps(
+    config: ObjectiveConfig, batch_size: int, generator: torch.Generator
+) -> torch.Tensor:
+    """t (batch_size,) float32 in [0, 1] on the generator's device, drawn per config.timestep_sampling
+    by diffusers' compute_density_for_timestep_sampling (SD3 paper, section 3.1)."""
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+
+    t = compute_density_for_timestep_sampling(
+        weighting_scheme=config.timestep_sampling,
+        batch_size=batch_size,
+        logit_mean=config.logit_mean,
+        logit_std=config.logit_std,
+        mode_scale=config.mode_scale,
+        device=generator.device,
+        generator=generator,
+    ).float()
+    _check_batch(t, batch_size, "t")
+    return t
+
+
+def shift_sigmas(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """sigma = shift * t / (1 + (shift - 1) * t), (B,): FlowMatchEulerDiscreteScheduler's static shift;
+    shift > 1 moves training toward noise. Its exponential time_shift(mu, 1, t) is this with shift = e^mu,
+    and the linear one this with shift = mu."""
+    _check_t(t, "t")
+    if not shift > 0:
+        raise ValueError(f"shift_sigmas: shift must be positive, got {shift}")
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def dynamic_shift(scheduler_config: dict[str, Any], family: str, image_seq_len: int) -> float:
+    """The shift FluxPipeline (and StableDiffusion3Pipeline with use_dynamic_shifting) samples with for
+    image_seq_len image tokens: mu from diffusers' calculate_shift, linear in the sequence length between
+    the scheduler config's (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), mapped
+    through the scheduler's time_shift_type."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    if image_seq_len < 1:
+        raise ValueError(f"dynamic_shift: image_seq_len must be positive, got {image_seq_len}")
+    params = {key: scheduler_config.get(key, value) for key, value in _DYNAMIC_SHIFT_DEFAULTS[family].items()}
+    mu = calculate_shift(
+        image_seq_len,
+        params["base_image_seq_len"],
+        params["max_image_seq_len"],
+        params["base_shift"],
+        params["max_shift"],
+    )
+    kind = scheduler_config.get("time_shift_type", "exponential")
+    if kind == "exponential":
+        return math.exp(mu)
+    if kind == "linear":
+        return float(mu)
+    raise ZerotrainError(f"scheduler_config.json: time_shift_type '{kind}' is not exponential or linear")
+
+
+def flow_interpolate(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 - sigma) * x0 + sigma * noise, sigma (B,) broadcast over every other dim of x0."""
+    _check_same(noise, x0, "noise", "x0")
+    _check_t(sigma, "sigma")
+    _check_batch(sigma, x0.shape[0], "sigma")
+    s = sigma.to(x0.dtype).view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - s) * x0 + s * noise
+
+
+def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The velocity d x_t / d sigma = noise - x0 that flow-matching models predict."""
+    _check_same(noise, x0, "noise", "x0")
+    return noise - x0
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C) by FluxPipeline._pack_latents: Flux's image tokens."""
+    from diffusers import FluxPipeline
+
+    _check_latents(latents, "latents")
+    b, c, h, w = latents.shape
+    if h % _FLUX_PATCH or w % _FLUX_PATCH:
+        raise ValueError(f"pack_latents: latent height and width must be even, got {h}x{w}")
+    return FluxPipeline._pack_latents(latents, b, c, h, w)
+
+
+def latent_image_ids(height: int, width: int, device: torch.device) -> torch.Tensor:
+    """Flux's image position ids (h/2 * w/2, 3) float32 for (h, w) latents, by
+    FluxPipeline._prepare_latent_image_ids on the packed grid."""
+    from diffusers import FluxPipeline
+
+    return FluxPipeline._prepare_latent_image_ids(
+        None, height // _FLUX_PATCH, width // _FLUX_PATCH, device, torch.float32
+    )
+
+
+@dataclass(frozen=True)
+class FlowMatching:
+    """Rectified flow for Flux and SD3, conditioned as FluxPipeline / StableDiffusion3Pipeline
+    condition their transformers."""
+
+    family: str
+    """flux or sd3."""
+    config: ObjectiveConfig
+    scheduler_config: dict[str, Any]
+    patch: int
+    """Latent pixels per image token along each side: 2 for Flux's packing, patch_size for SD3."""
+    guidance_embeds: bool
+    """Flux-dev style guidance distillation: the transformer takes a guidance value."""
+    num_train_timesteps: int
+    """SD3's transformer takes sigma * num_train_timesteps, as its scheduler's timesteps."""
+    model_dtype: torch.dtype
+
+    def shift(self, image_seq_len: int) -> float:
+        """config.shift when set; else the scheduler's: dynamic for this many image tokens when it
+        uses dynamic shifting (Flux), its static shift otherwise (SD3: 3.0)."""
+        if self.config.shift != "auto":
+            return float(self.config.shift)
+        if self.scheduler_config.get("use_dynamic_shifting", False):
+            return dynamic_shift(self.scheduler_config, self.family, image_seq_len)
+        return float(self.scheduler_config.get("shift", 1.0))
+
+    def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:
+        x0 = sample_posterior(*choose_flip(batch, generator), generator)
+        b, _, h, w = x0.shape
+        text, pooled = _text(batch, b)
+        if h % self.patch or w % self.patch:
+            raise ValueError(f"{self.family}: latents {h}x{w} are not a multiple of the patch {self.patch}")
+        t = sample_flow_timesteps(self.config, b, generator).to(x0.device)
+        sigma = shift_sigmas(t, self.shift((h // self.patch) * (w // self.patch)))
+        noise = _randn(x0.shape, generator, x0.device)
+        x_t = flow_interpolate(x0, noise, sigma)
+        target = flow_target(x0, noise)
+        dtype = self.model_dtype
+        if self.family == "sd3":
+            kwargs = {
+                "hidden_states": x_t.to(dtype),
+                "encoder_hidden_states": text.to(dtype),
+                "pooled_projections": pooled.to(dtype),
+                "timestep": sigma * self.num_train_timesteps,
+            }
+            return Prepared(model_kwargs=kwargs, target=target, weights=None)
+        # FluxPipeline passes timestep / 1000 = sigma; the transformer scales it (and guidance) by 1000.
+        kwargs = {
+            "hidden_states": pack_latents(x_t).to(dtype),
+            "encoder_hidden_states": text.to(dtype),
+            "pooled_projections": pooled.to(dtype),
+            "timestep": sigma,
+            "img_ids": latent_image_ids(h, w, x0.device),
+            "txt_ids": torch.zeros(text.shape[1], 3, device=x0.device),
+        }
+        if self.guidance_embeds:
+            kwargs["guidance"] = torch.full((b,), self.config.guidance, device=x0.device)
+        return Prepared(model_kwargs=kwargs, target=pack_latents(target), weights=None)
+
+    def loss(self, pred: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+        return mse_loss(pred, prepared.target, prepared.weights)
+
+
+def _check_flow_config(spec: ModelSpec, config: ObjectiveConfig) -> None:
+    ddpm_only = {"prediction_type": config.prediction_type != "auto", "min_snr_gamma": config.min_snr_gamma}
+    for field, value in ddpm_only.items():
+        if value:
+            raise ZerotrainError(
+                f"objective.{field}: applies to DDPM models (SDXL) only; {spec.name} trains with flow "
+                "matching, so leave it unset"
+            )
+    if config.timestep_sampling == "mode" and config.mode_scale > MAX_MODE_SCALE:
+        raise ZerotrainError(
+            f"objective.mode_scale={config.mode_scale}: above {MAX_MODE_SCALE:.4f} the mode density is not "
+            "monotonic and draws t outside [0, 1]; use at most that (1.29 is the SD3 paper's)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# DDPM (SDXL-style UNets).
+
+
+def sample_ddpm_timesteps(
+    num_train_timesteps: int, batch_size: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Integer timesteps (batch_size,) int64, uniform in [0, num_train_timesteps), on the generator's
+    device."""
+    t = torch.randint(0, num_train_timesteps, (batch_size,), generator=generator, device=generator.device)
+    _check_batch(t, batch_size, "timesteps")
+    return t
+
+
+def min_snr_weights(snr: torch.Tensor, gamma: float, prediction_type: str) -> torch.Tensor:
+    """Min-SNR-gamma loss weights (B,) (Hang et al. 2023), as diffusers' training scripts apply them to
+    an epsilon loss, min(snr, gamma) / snr, or a v loss, min(snr, gamma) / (snr + 1)."""
+    _check_t(snr, "snr")
+    clipped = torch.clamp(snr, max=gamma)
+    if prediction_type == "epsilon":
+        return clipped / snr
+    if prediction_type == "v_prediction":
+        return clipped / (snr + 1)
+    raise ValueError(
+        f"min_snr_weights: prediction_type must be epsilon or v_prediction, got {prediction_type}"
+    )
+
+
+def sdxl_time_ids_batch(
+    original_size: torch.Tensor, crop_top_left: torch.Tensor, target_size: torch.Tensor
+) -> torch.Tensor:
+    """SDXL's add_time_ids (B, 6) float32, each row laid out as conditioning.sdxl_time_ids: original
+    (height, width), crop (top, left), target (height, width); every input (B, 2)."""
+    parts = {"original_size": original_size, "crop_top_left": crop_top_left, "target_size": target_size}
+    batch = original_size.shape[0] if original_size.ndim else 0
+    for name, value in parts.items():
+        if value.shape != (batch, 2):
+            raise ValueError(f"sdxl_time_ids_batch: {name} must be ({batch}, 2), got {tuple(value.shape)}")
+    return torch.cat([value.float() for value in parts.values()], dim=1)
+
+
+@dataclass(frozen=True)
+class DDPM:
+    """Denoising diffusion for UNets, noised by the scheduler config's beta schedule."""
+
+    scheduler: DDPMScheduler
+    prediction_type: str
+    """epsilon or v_prediction."""
+    min_snr_gamma: float | None
+    time_ids: bool
+    """SDXL's text_time conditioning: pooled text embeddings and size/crop time ids."""
+    model_dtype: torch.dtype
+
+    def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:
+        from diffusers.training_utils import compute_snr
+
+        x0 = sample_posterior(*choose_flip(batch, generator), generator)
+        b = x0.shape[0]
+        text, pooled = _text(batch, b)
+        timesteps = sample_ddpm_timesteps(self.scheduler.config.num_train_timesteps, b, generator)
+        timesteps = timesteps.to(x0.device)
+        noise = _randn(x0.shape, generator, x0.device)
+        noisy = self.scheduler.add_noise(x0, noise, timesteps)
+        if self.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = self.scheduler.get_velocity(x0, noise, timesteps)
+        kwargs: dict[str, Any] = {
+            "sample": noisy.to(self.model_dtype),
+            "timestep": timesteps,
+            "encoder_hidden_states": text.to(self.model_dtype),
+        }
+        if self.time_ids:
+            kwargs["added_cond_kwargs"] = {
+                "text_embeds": pooled.to(self.model_dtype),
+                "time_ids": sdxl_time_ids_batch(
+                    batch["original_size"], batch["crop_top_left"], batch["target_size"]
+                ).to(x0.device),
+            }
+        weights = None
+        if self.min_snr_gamma is not None:
+            snr = compute_snr(self.scheduler, timesteps)
+            weights = min_snr_weights(snr, self.min_snr_gamma, self.prediction_type)
+        return Prepared(model_kwargs=kwargs, target=target, weights=weights)
+
+    def loss(self, pred: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+        return mse_loss(pred, prepared.target, prepared.weights)
+
+
+def _make_ddpm(
+    spec: ModelSpec, scheduler_config: dict[str, Any], config: ObjectiveConfig, model_dtype: torch.dtype
+) -> DDPM:
+    from diffusers import DDPMScheduler
+
+    if config.shift != "auto":
+        raise ZerotrainError(
+            f"objective.shift={config.shift}: applies to flow-matching models (Flux, SD3) only; {spec.name} "
+            "is a DDPM model, so leave it unset"
+        )
+    prediction_type = config.prediction_type
+    if prediction_type == "auto":
+        prediction_type = scheduler_config.get("prediction_type", "epsilon")
+    if prediction_type not in ("epsilon", "v_prediction"):
+        raise ZerotrainError(
+            f"scheduler_config.json: prediction_type '{prediction_type}' is not epsilon or v_prediction; "
+            "set objective.prediction_type"
+        )
+    if (
+        config.min_snr_gamma is not None
+        and prediction_type == "epsilon"
+        and scheduler_config.get("rescale_betas_zero_snr", False)
+    ):
+        raise ZerotrainError(
+            "objective.min_snr_gamma: with a zero-terminal-SNR schedule (rescale_betas_zero_snr) the last "
+            "timestep has SNR 0 and its epsilon weight min(snr, gamma) / snr is undefined; use "
+            "objective.prediction_type=v_prediction or unset min_snr_gamma"
+        )
+    # Only the noise schedule (betas, num_train_timesteps) matters for training; SDXL ships an
+    # EulerDiscreteScheduler config, whose betas DDPMScheduler builds identically.
+    scheduler = DDPMScheduler.from_config(scheduler_config, prediction_type=prediction_type)
+    return DDPM(
+        scheduler=scheduler,
+        prediction_type=prediction_type,
+        min_snr_gamma=config.min_snr_gamma,
+        time_ids=spec.config.get("addition_embed_type") == "text_time",
+        model_dtype=model_dtype,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shape contracts and random draws.
+
+
+def _text(batch: dict[str, torch.Tensor], b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    text, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
+    if text.ndim != 3 or text.shape[0] != b:
+        raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
+    if pooled.ndim != 2 or pooled.shape[0] != b:
+        raise ValueError(f"pooled_prompt_embeds must be ({b}, P), got {tuple(pooled.shape)}")
+    return text, pooled
+
+
+def _check_latents(x: torch.Tensor, name: str) -> None:
+    if x.ndim != 4 or x.shape[0] < 1:
+        raise ValueError(f"{name} must be (B, C, h, w), got {tuple(x.shape)}")
+
+
+def _check_same(x: torch.Tensor, like: torch.Tensor, name: str, like_name: str) -> None:
+    if x.shape != like.shape:
+        raise ValueError(f"{name} {tuple(x.shape)} must have the shape of {like_name} {tuple(like.shape)}")
+
+
+def _check_t(t: torch.Tensor, name: str) -> None:
+    if t.ndim != 1:
+        raise ValueError(f"{name} must have shape (batch,), got {tuple(t.shape)}")
+
+
+def _check_batch(t: torch.Tensor, batch: int, name: str) -> None:
+    if t.shape != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), got {tuple(t.shape)}")
+
+
+def _rand(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Uniform [0, 1) draws on the generator's device, moved to device (a CPU generator serves GPU
+    batches, as diffusers' randn_tensor allows)."""
+    return torch.rand(n, generator=generator, device=generator.device).to(device)
+
+
+def _randn(shape: torch.Size, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    from diffusers.utils.torch_utils import randn_tensor
+
+    return randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
