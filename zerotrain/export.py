@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from zerotrain.config import Mode, RunConfig, load_config
+from zerotrain.config import Mode, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec, resolve_model
 
@@ -54,6 +54,7 @@ LATEST = "latest"
 EXPORT = "export"
 CONFIG = "config.yaml"
 MANIFEST = "export.json"
+STATE = "zerotrain_state.json"
 LORA_DIR = "lora"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 COMFYUI_DIR = "comfyui"
@@ -100,7 +101,8 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
         files = _write_lora(out, spec, meta, weights, comfyui, name)
     else:
         files = _write_full(out, spec, weights, comfyui, name)
-    state_path = checkpoint / "zerotrain_state.json"
+    state_path = checkpoint / STATE
+    state = json.loads(state_path.read_text(encoding="utf-8")) if state_path.is_file() else {}
     manifest = {
         "run": str(run_dir.resolve()),
         "tag": tag,
@@ -113,7 +115,7 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
         "tensors": len(weights),
         "parameters": sum(t.numel() for t in weights.values()),
         "files": [str(path.relative_to(out)) for path in files],
-        "state": json.loads(state_path.read_text(encoding="utf-8")) if state_path.is_file() else None,
+        "step": state.get("step"),
     }
     if lora:
         manifest["lora"] = {"rank": run.training.lora.rank, "alpha": run.training.lora.alpha or run.training.lora.rank}
@@ -305,10 +307,23 @@ def _stage0_master(optimizer: Any, module: dict[str, Any], expected: dict[str, t
 
 
 def _load_run(run_dir: Path) -> RunConfig:
+    """The run's model and training sections from RUN/config.yaml. Only these are validated: the rest
+    (datasets, hardware, cache) need not exist where the export runs."""
+    from pydantic import ValidationError
+
+    from zerotrain.config.loader import format_validation_error, read_config_file
+
     path = run_dir / CONFIG
     if not path.is_file():
         raise ZerotrainError(f"{run_dir}: not a zerotrain run folder ({path} not found)")
-    return load_config(path)
+    data = read_config_file(path)
+    training = dict(data.get("training") or {})
+    if training.get("mode", Mode.full.value) == Mode.full.value:
+        training.pop("lora", None)  # a dumped full-mode config carries the unused default LoRA section
+    try:
+        return RunConfig.model_validate({"model": data.get("model") or {}, "training": training})
+    except ValidationError as err:
+        raise ZerotrainError(format_validation_error(err, str(path))) from err
 
 
 def _checkpoint_dir(run_dir: Path, tag: str) -> Path:
@@ -412,7 +427,7 @@ def _write_lora(
     kwargs: dict[str, Any] = {f"{component}_lora_layers": layers}
     metadata_arg = f"{component}_lora_adapter_metadata"
     if metadata_arg in inspect.signature(cls.save_lora_weights).parameters:
-        pass
+        kwargs[metadata_arg] = lora_metadata(config)
     else:  # older diffusers infers alpha = rank: fold the scale into B instead
         scale = config.lora_alpha / config.r
         kwargs[f"{component}_lora_layers"] = {

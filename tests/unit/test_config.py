@@ -89,3 +89,13 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+def test_training_config_mistakes_name_the_field(tmp_path):
+    with pytest.raises(ZerotrainError, match=r"data\.datasets\.0\.path: .*nowhere does not exist"):
+        load_config(None, [f"data.datasets=[{{path: {tmp_path / 'nowhere'}}}]"])
+    with pytest.raises(ZerotrainError, match=r"training: lora options are set but mode=full"):
+        load_config(None, ["training.lora.rank=8"])
+    with pytest.raises(ZerotrainError, match=r"quantize_base=qint8 needs mode=lora"):
+        load_config(None, ["training.mode=full", "training.quantize_base=qint8"])
+    assert load_config(None, ["training.mode=lora", "training.lora.rank=8"]).training.lora.rank == 8

@@ -103,6 +103,13 @@ class TrainingConfig(_Section):
         return value
 
     @model_validator(mode="after")
+    def _lora_options_need_lora(self) -> TrainingConfig:
+        if "lora" in self.model_fields_set and self.mode is Mode.full:
+            raise ValueError("lora options are set but mode=full trains every weight; set mode: lora, "
+                             "or remove the lora section")
+        return self
+
+    @model_validator(mode="after")
     def _quantize_needs_lora(self) -> TrainingConfig:
         if self.quantize_base is not Quantization.none and self.mode is not Mode.lora:
             raise ValueError(
@@ -120,6 +127,13 @@ class DatasetConfig(_Section):
     """How many times each image of this dataset counts per epoch."""
     caption_extension: str = ".txt"
     """Extension of sidecar caption files (folders only)."""
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, value: Path) -> Path:
+        if not value.exists():
+            raise ValueError(f"{value} does not exist (relative paths are from the working directory)")
+        return value
 
 
 class DataConfig(_Section):
