@@ -1,5 +1,5 @@
-"""zerotrain: `plan` (the memory-plan dry run) and `cache` (encode a dataset once). Other
-commands arrive with their issues.
+"""zerotrain: `plan` (the memory-plan dry run), `cache` (encode a dataset once) and `export`
+(weights diffusers loads, from a run's checkpoint). Training: `deepspeed zerotrain/train.py`.
 
 Bad input prints one line (what, where, what to do) and exits 2; --debug shows the traceback."""
 
@@ -61,7 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", type=Path, help="run config (YAML, JSON or TOML)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (repeatable)")
+    e = commands.add_parser("export", help="write weights diffusers loads (a model folder, or a LoRA) from a run's "
+                                       "checkpoint")
+    e.add_argument("run_dir", type=Path, help="the training run folder (output_dir)")
+    e.add_argument("--tag", help="checkpoint tag (default: the latest)")
+    e.add_argument("--out", type=Path, help="output folder (default: RUN/export)")
+    e.add_argument("--comfyui", action="store_true", help="also write a ComfyUI-style LoRA / model file")
     return parser
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from zerotrain.export import export
+
+    print(f"exported to {export(args.run_dir, tag=args.tag, out=args.out, comfyui=args.comfyui)}")
+    return 0
 
 
 def run_cache(args: argparse.Namespace) -> int:
@@ -151,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
-        return run_plan(args, argv) if args.command == "plan" else run_cache(args)
+        commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),
+                    "export": lambda: run_export(args)}
+        return commands[args.command]()
     except ZerotrainError as err:
         if args.debug:
             raise

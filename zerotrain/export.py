@@ -64,8 +64,6 @@ ADAPTER = "default"
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 _ZERO_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 _MODEL_STATES = "mp_rank_00_model_states.pt"
-# peft's injected adapter name inside parameter names: "x.lora_A.default.weight".
-_ADAPTER_IN_NAME = re.compile(rf"\.{ADAPTER}(?=\.|$)")
 
 
 def latest_tag(run_dir: Path) -> str:
@@ -118,7 +116,8 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
         "step": state.get("step"),
     }
     if lora:
-        manifest["lora"] = {"rank": run.training.lora.rank, "alpha": run.training.lora.alpha or run.training.lora.rank}
+        settings = run.training.lora
+        manifest["lora"] = {"rank": settings.rank, "alpha": settings.alpha or settings.rank}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return out
 
@@ -268,7 +267,9 @@ def _zero_to_fp32(checkpoints: Path, tag: str, trainable_only: bool) -> Iterator
     return iter(state.items())
 
 
-def _stage0_master(optimizer: Any, module: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor] | None:
+def _stage0_master(
+    optimizer: Any, module: dict[str, Any], expected: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor] | None:
     """Stage 0's fp32 master tensors by name, or None when they cannot be matched with certainty.
 
     FP16_Optimizer saves one flat fp32 tensor per parameter group ("fp32_groups_flat"),
@@ -284,7 +285,9 @@ def _stage0_master(optimizer: Any, module: dict[str, Any], expected: dict[str, t
         groups = [torch.cat([t.reshape(-1) for t in group]) for group in optimizer["fp32_groups"] if len(group)]
     else:
         return None
-    remaining = [n for n, t in module.items() if n in expected and isinstance(t, torch.Tensor) and t.is_floating_point()]
+    remaining = [
+        n for n, t in module.items() if n in expected and isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
     master: dict[str, torch.Tensor] = {}
     for flat in groups:
         position, unmatched = 0, []
@@ -387,7 +390,9 @@ def _replacing(target: Path) -> Iterator[Path]:
     partial.rename(target)
 
 
-def _write_full(out: Path, spec: ModelSpec, weights: dict[str, torch.Tensor], comfyui: bool, name: str) -> list[Path]:
+def _write_full(
+    out: Path, spec: ModelSpec, weights: dict[str, torch.Tensor], comfyui: bool, name: str
+) -> list[Path]:
     from diffusers.utils import logging as diffusers_logging
 
     verbosity = diffusers_logging.get_verbosity()
@@ -466,7 +471,8 @@ def _save_single_file(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
     empty = [k for k, v in tensors.items() if v.numel() == 0]
     if empty or any(k.startswith("module.") for k in tensors):
-        raise ZerotrainError(f"internal: refusing to write {path}: empty tensor or module. prefix ({(empty or [''])[0]})")
+        first = (empty or [""])[0]
+        raise ZerotrainError(f"internal: refusing to write {path}: an empty tensor or a module. prefix ({first})")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)

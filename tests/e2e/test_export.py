@@ -167,7 +167,8 @@ def engine_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def base_weights(model_dir: Path, subfolder: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return {k: v for path in sorted((model_dir / subfolder).glob("*.safetensors")) for k, v in load_file(path).items()}
+    files = sorted((model_dir / subfolder).glob("*.safetensors"))
+    return {k: v for path in files for k, v in load_file(path).items()}
 
 
 def as_saved(engine_name: str, component: str) -> str:
@@ -289,7 +290,8 @@ def flux_comfyui_rows(hidden: int) -> dict[str, tuple[str, int, int]]:
     return rows
 
 
-def lora_deltas(state: dict[str, torch.Tensor], scale: float, component: str = "transformer") -> dict[str, torch.Tensor]:
+def lora_deltas(state: dict[str, torch.Tensor], scale: float, component: str = "transformer"
+                ) -> dict[str, torch.Tensor]:
     """module -> B @ A * scale, from a diffusers-format LoRA state dict."""
     out = {}
     for key, down in state.items():

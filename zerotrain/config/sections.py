@@ -104,7 +104,8 @@ class TrainingConfig(_Section):
 
     @model_validator(mode="after")
     def _lora_options_need_lora(self) -> TrainingConfig:
-        if "lora" in self.model_fields_set and self.mode is Mode.full:
+        # Compared with the defaults, not with "was it set", so that a dumped config loads back.
+        if self.mode is Mode.full and self.lora != LoraConfig():
             raise ValueError("lora options are set but mode=full trains every weight; set mode: lora, "
                              "or remove the lora section")
         return self
