@@ -132,6 +132,7 @@ def train(args: argparse.Namespace) -> int:
     # Model and engine.
     scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
+    torch.manual_seed(run.training.seed)  # LoRA's initial weights come from torch's global generator
     model = load_denoiser(spec, folder)
     apply_mode(model, spec, run, checkpointing)
     engine = build_engine(model, ds_config, run)

@@ -119,3 +119,9 @@ def test_fixed_micro_batch_and_checkpointing_are_respected():
                                                       "training.gradient_checkpointing=true"))
     assert {c.layout.micro_batch for c in result.candidates} == {2}
     assert all(c.layout.gradient_checkpointing and c.layout.accumulation == 2 for c in result.candidates)
+
+
+def test_offload_list_is_what_the_search_may_choose():
+    result = plan(facts(), hw("2xA100-80GB"), run_with("training.global_batch_size=2", "planner.offload=[cpu]"))
+    assert result.candidates
+    assert all(c.layout.offload_optimizer == "cpu" for c in result.candidates)

@@ -67,7 +67,11 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
     discovery = discover(run.data)
     from zerotrain.models.conditioning import encoders_identity
 
-    source = model_folder(spec, run.model.revision, run.data.cache_dir / "models")
+    tiny_root = run.data.cache_dir / "models"
+    if topo.is_main:  # rank 0 builds or downloads first: transformers saves files on rank 0 only
+        model_folder(spec, run.model.revision, tiny_root)
+    barrier()
+    source = model_folder(spec, run.model.revision, tiny_root)
     identity = encoders_identity(spec, source, encode_dtype(device))
     planned, skipped = plan_items(discovery, run, spec, identity)
     discovery.verdicts += skipped

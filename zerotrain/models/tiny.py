@@ -303,6 +303,10 @@ def ensure_tiny_pipeline(name: str, root: Path) -> Path:
     tmp = Path(root) / f".{name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny_pipeline(name, tmp)
+    empty = [p.name for p in tmp.iterdir() if p.is_dir() and not any(p.iterdir())]
+    if empty:  # e.g. built on a rank that transformers does not let save
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"building {name} left empty component folders {empty}; build it on rank 0 first")
     try:
         os.replace(tmp, folder)
     except OSError:  # another process finished first

@@ -109,7 +109,7 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
         allowed.discard("nvme")
     offloads: dict[int, list[tuple[str, str]]] = {}
     for stage in run.planner.stages:
-        options = [("none", "none")]
+        options = [("none", "none")] if "none" in allowed else []
         if stage > 0 and "cpu" in allowed:
             options.append(("cpu", "none"))
         if stage == 3:
