@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", type=Path, help="run config (YAML, JSON or TOML)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (repeatable)")
+    commands.add_parser("train", add_help=False, help="train (the same as `python zerotrain/train.py`; "
+                                                    "launch with deepspeed/torchrun for several processes)")
     e = commands.add_parser("export", help="write weights diffusers loads (a model folder, or a LoRA) from a run's "
                                        "checkpoint")
     e.add_argument("run_dir", type=Path, help="the training run folder (output_dir)")
@@ -162,6 +164,10 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # train.py owns its arguments (the launchers append --local_rank)
+        from zerotrain.train import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),

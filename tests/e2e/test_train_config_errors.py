@@ -27,3 +27,11 @@ def test_config_mistakes_fail_before_loading(override, expected, tmp_path):
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()  # nothing was written: it stopped before planning
+
+
+def test_zerotrain_train_is_the_same_entry_point(tmp_path):
+    from zerotrain.cli import main
+
+    code = main(["train", "--config", str(ROOT / "examples" / "tiny-cpu.yaml"), "--set", "training.resume=/tmp",
+                 "--set", f"output_dir={tmp_path / 'run'}"])
+    assert code == 2 and not (tmp_path / "run").exists()
