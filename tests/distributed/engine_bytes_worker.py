@@ -158,7 +158,10 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int) -> dict:
     from zerotrain.planner.memory import Layout
 
     stage, offload = case["stage"], case["offload"]
-    run = RunConfig.model_validate({**run_json, "training": {**run_json["training"], "mode": case["mode"]}})
+    training = {**run_json["training"], "mode": case["mode"]}
+    if case["mode"] == "full":  # LoRA options are an error with mode full
+        training.pop("lora", None)
+    run = RunConfig.model_validate({**run_json, "training": training})
     spec = resolve_model(run.model)
     model = build_model(spec, run, model_dir, case["mode"])
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -66,14 +66,15 @@ def case_id(stage: int, offload: str, mode: str) -> str:
     return f"zero{stage}-offload_{offload}-{mode}"
 
 
-def run_config(cache_dir: Path):
+def run_config(cache_dir: Path, mode: str = "lora"):
+    """The cases' RunConfig; LoRA options only in LoRA mode (they are an error with mode full)."""
     from zerotrain.config.sections import RunConfig
 
     return RunConfig.model_validate({
         "model": {"name_or_path": "tiny-flux"},
         # micro 1 x accumulation 2 x world 2: the first backward is no accumulation boundary
         "training": {"global_batch_size": 4, "micro_batch_size": 1, "gradient_checkpointing": False,
-                     "lora": {"rank": 4}},
+                     "mode": mode, **({"lora": {"rank": 4}} if mode == "lora" else {})},
         "data": {"resolution": 64, "text_tokens": 8},
         "hardware": {"gpus": f"{WORLD}xH100-80GB"},
         "planner": {
@@ -150,8 +151,7 @@ def planner(workdir):
 
     out = {}
     for mode in ("full", "lora"):
-        run = run_config(workdir / "facts").model_copy(deep=True)
-        run.training.mode = mode
+        run = run_config(workdir / "facts", mode)
         facts = measure_model(resolve_model(run.model), run, cache=False)
         hw = hardware_facts(run.hardware)
         assert hw.world_size == WORLD and hw.gpus_per_node == WORLD
