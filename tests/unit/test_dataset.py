@@ -115,5 +115,7 @@ def test_skip_aborts_past_the_rejected_fraction(tmp_path):
 def test_no_datasets_or_bad_path_is_one_line(tmp_path):
     with pytest.raises(ZerotrainError, match="data.datasets is empty"):
         discover(DataConfig())
+    not_a_manifest = tmp_path / "list.txt"
+    not_a_manifest.write_text("a.png\n")
     with pytest.raises(ZerotrainError, match=r"data\.datasets\[0\]\.path: .* neither a folder nor a \.jsonl"):
-        discover(config(tmp_path / "nowhere"))
+        discover(config(not_a_manifest))

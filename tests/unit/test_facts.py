@@ -50,7 +50,7 @@ def run_config(name: str, mode: str = "full", rank: int = LORA_RANK, resolution:
                quantize_base: str = "none", cache_dir: object = None) -> RunConfig:
     return RunConfig(
         model={"name_or_path": name},
-        training={"mode": mode, "lora": {"rank": rank}, "quantize_base": quantize_base},
+        training={"mode": mode, "quantize_base": quantize_base, **({"lora": {"rank": rank}} if mode == "lora" else {})},
         data={"resolution": resolution, "text_tokens": TEXT_TOKENS},
         planner={"cache_dir": cache_dir},
     )
