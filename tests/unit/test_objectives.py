@@ -19,7 +19,11 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec, resolve_model
 from zerotrain.models.conditioning import sdxl_time_ids
 from zerotrain.models.families import SDXL_TIME_IDS
-from zerotrain.models.tiny import build_tiny_pipeline
+from zerotrain.models.tiny import (  # the published scheduler configs
+    FLUX_SCHEDULER,
+    SD3_SCHEDULER,
+    build_tiny_pipeline,
+)
 from zerotrain.objectives import (
     DDPM,
     FlowMatching,
@@ -36,17 +40,6 @@ from zerotrain.objectives import (
     shift_sigmas,
 )
 
-# Published FLUX.1-dev scheduler/scheduler_config.json (the same values tiny-flux writes).
-FLUX_SCHEDULER = {
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "max_image_seq_len": 4096,
-    "max_shift": 1.15,
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-}
-SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
 # Tiny VAEs downsample 2x: 32x32-pixel images give 16x16 latents (64 Flux tokens, 64 SD3 patches).
 RESOLUTION = 32
 LATENT = 16

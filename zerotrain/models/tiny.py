@@ -47,7 +47,7 @@ _TEXT_HEADS = 2
 _SEEDS = {"transformer": 0, "unet": 0, "vae": 1, "text_encoder": 2, "text_encoder_2": 3, "text_encoder_3": 4}
 
 # Published scheduler configs (scheduler/scheduler_config.json of each repo).
-_FLUX_SCHEDULER = {
+FLUX_SCHEDULER = {
     "base_image_seq_len": 256,
     "base_shift": 0.5,
     "max_image_seq_len": 4096,
@@ -56,7 +56,7 @@ _FLUX_SCHEDULER = {
     "shift": 3.0,
     "use_dynamic_shifting": True,
 }
-_SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
+SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
 _SDXL_SCHEDULER = {
     "beta_end": 0.012,
     "beta_schedule": "scaled_linear",
@@ -95,7 +95,7 @@ def _flux_components(denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
     clip, t5 = _clip_tokenizer(_CLIP_EOS), _t5_tokenizer()
     width = denoiser["pooled_projection_dim"]
     return _diffusers("FluxPipeline"), {
-        "scheduler": _diffusers("FlowMatchEulerDiscreteScheduler").from_config(_FLUX_SCHEDULER),
+        "scheduler": _diffusers("FlowMatchEulerDiscreteScheduler").from_config(FLUX_SCHEDULER),
         "text_encoder": _seeded("text_encoder", CLIPTextModel, _clip_config(clip, width, width)),
         "tokenizer": clip,
         "text_encoder_2": _seeded(
@@ -121,7 +121,7 @@ def _sd3_components(denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
     clip_l, clip_g, t5 = _clip_tokenizer(_CLIP_EOS), _clip_tokenizer(_OPENCLIP_PAD), _t5_tokenizer()
     return _diffusers("StableDiffusion3Pipeline"), {
         "transformer": _seeded("transformer", _diffusers(denoiser["_class_name"]).from_config, denoiser),
-        "scheduler": _diffusers("FlowMatchEulerDiscreteScheduler").from_config(_SD3_SCHEDULER),
+        "scheduler": _diffusers("FlowMatchEulerDiscreteScheduler").from_config(SD3_SCHEDULER),
         "text_encoder": _seeded(
             "text_encoder", CLIPTextModelWithProjection, _clip_config(clip_l, hidden_l, proj_l)
         ),
