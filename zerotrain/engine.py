@@ -17,8 +17,7 @@ import torch
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
-
-DENOISER_FOLDER = {"flux": "transformer", "sd3": "transformer", "unet": "unet"}
+from zerotrain.models.families import DENOISER_FOLDER
 
 
 def load_denoiser(spec: ModelSpec, folder: Path) -> torch.nn.Module:

@@ -48,6 +48,7 @@ import torch
 from zerotrain.config import Mode, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.families import DENOISER_FOLDER
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -353,7 +354,7 @@ def _meta_model(spec: ModelSpec, run: RunConfig) -> torch.nn.Module:
 
 def denoiser_folder(spec: ModelSpec) -> str:
     """Where a diffusers pipeline folder keeps this denoiser."""
-    return "unet" if spec.family == "unet" else "transformer"
+    return DENOISER_FOLDER[spec.family]
 
 
 def pipeline_class(spec: ModelSpec) -> type:

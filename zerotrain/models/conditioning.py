@@ -18,6 +18,7 @@ import torch
 
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
+from zerotrain.models.families import DENOISER_FOLDER
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
@@ -34,7 +35,6 @@ TEXT_COMPONENTS = {
     ],
     "unet": [("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")],
 }
-_DENOISER_COMPONENT = {"flux": "transformer", "sd3": "transformer", "unet": "unet"}
 # FluxPipeline and StableDiffusion3Pipeline refuse max_sequence_length above 512 T5 tokens.
 _MAX_T5_TOKENS = 512
 # Pixels the VAE takes are in [-1, 1]; the slack admits resampling overshoot (Lanczos rings past the range).
@@ -87,7 +87,7 @@ def encoder_folder(spec: ModelSpec, folder_or_hub: str | Path, revision: str | N
     pipeline_class = _pipeline_class(spec)
     try:
         return Path(pipeline_class.download(str(folder_or_hub), revision=revision,
-                                            **{_DENOISER_COMPONENT[spec.family]: None, "scheduler": None}))
+                                            **{DENOISER_FOLDER[spec.family]: None, "scheduler": None}))
     except (OSError, ValueError) as err:
         reason = " ".join(str(err).split())[:500]
         raise ZerotrainError(f"model.name_or_path='{folder_or_hub}': cannot fetch its VAE and text encoders "
@@ -113,7 +113,7 @@ def load_encoders(
     `device` in `dtype`. SDXL's VAE overflows in float16 (diffusers keeps it in float32 there): use
     float32 or bfloat16."""
     pipeline_class = _pipeline_class(spec)
-    skipped = {_DENOISER_COMPONENT[spec.family]: None, "scheduler": None}
+    skipped = {DENOISER_FOLDER[spec.family]: None, "scheduler": None}
     folder = encoder_folder(spec, folder_or_hub, revision)
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -261,7 +261,7 @@ def _text_pipeline(encoders: Encoders) -> Any:
     """The family's pipeline around the text components only: its encode_prompt is the reference."""
     import diffusers
 
-    components: dict[str, Any] = {"vae": None, "scheduler": None, _DENOISER_COMPONENT[encoders.family]: None}
+    components: dict[str, Any] = {"vae": None, "scheduler": None, DENOISER_FOLDER[encoders.family]: None}
     for (tokenizer_name, encoder_name), tokenizer, encoder in zip(
         TEXT_COMPONENTS[encoders.family], encoders.tokenizers, encoders.text_encoders, strict=True
     ):

@@ -27,6 +27,9 @@ LORA_TARGETS: dict[str, list[str]] = {
     "unet": ["to_k", "to_q", "to_v", "to_out.0"],
 }
 
+# The denoiser's subfolder in a diffusers model folder, and its component name in the pipelines.
+DENOISER_FOLDER = {"flux": "transformer", "sd3": "transformer", "unet": "unet"}
+
 # Text sequence length the pipelines feed the denoiser by default: FluxPipeline's
 # max_sequence_length=512 T5 tokens; StableDiffusion3Pipeline's 77 CLIP + 256 T5 tokens;
 # CLIP's 77 tokens for the UNets.
