@@ -3,7 +3,15 @@
 
 Model code knows nothing of ZeRO (DESIGN rule 1). The model is loaded whole on the host and
 DeepSpeed partitions it at initialize; zero.Init is not used, because it partitions Flux's
-embedding while it is being built ("'weight' must be 2-D", SimpleTuner#1239)."""
+embedding while it is being built ("'weight' must be 2-D", SimpleTuner#1239).
+
+LoRA over a quantized base: DeepSpeed moves, casts and (ZeRO-3) partitions every parameter of the
+module it is given, and optimum-quanto's weights break there ("_apply(): Couldn't swap
+QLinear.weight", accelerate#2378, optimum-quanto#396). So the engine is given a TrainableView: a
+module that registers only the modules owning trainable parameters (the LoRA A/B layers), under
+their own names, and calls the quantized model, which it holds outside the module tree. DeepSpeed
+shards the adapters and their optimizer state at any stage; the frozen quantized base is placed on
+the device once and replicated, as the planner assumes (Sizes.frozen_shardable)."""
 
 from __future__ import annotations
 
@@ -30,11 +38,72 @@ def load_denoiser(spec: ModelSpec, folder: Path) -> torch.nn.Module:
                              f"({' '.join(str(err).split())[:300]})") from err
 
 
-def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig, gradient_checkpointing: bool) -> None:
-    """LoRA adapters (the base frozen) or a full fine-tune; gradient checkpointing as planned."""
+def quantize_base(model: torch.nn.Module, quantization: Quantization) -> str:
+    """Quantize every Linear and Conv2d weight of the (still adapter-free) model with optimum-quanto,
+    as the planner counts them (trace.frozen_storage_bytes), and freeze it: the float weights are
+    replaced by quantized ones. Returns what was done, in words."""
+    from optimum import quanto
+
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    quanto.quantize(model, weights=getattr(quanto, quantization.value))
+    quanto.freeze(model)
+    layers = sum(isinstance(m, quanto.QModuleMixin) for m in model.modules())
+    after = sum(quanto_bytes(p) for p in model.parameters())
+    return (f"quantized the frozen base to {quantization.value} with optimum-quanto: {layers} layers, "
+            f"{_size(before)} -> {_size(after)}")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def quanto_bytes(tensor: torch.Tensor) -> int:
+    """Storage bytes of a parameter, quantized (data plus scales) or not."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(quanto_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
+class TrainableView(torch.nn.Module):
+    """What DeepSpeed sees of a model whose frozen part it must not touch: the modules that own
+    the trainable parameters, registered at their paths in the model (so parameter names and
+    checkpoints are the same as for the whole model), and a forward that runs the whole model.
+
+    The model itself is kept outside the module tree (not a registered child): DeepSpeed's
+    .to(), bf16 casts and ZeRO-3 partitioning never reach it, while its forward still calls the
+    very adapter modules DeepSpeed manages (ZeRO-3's gather hooks are on those modules)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "model", model)
+        owners = sorted({name.rpartition(".")[0] for name, p in model.named_parameters() if p.requires_grad})
+        for path in owners:
+            parent: torch.nn.Module = self
+            *containers, leaf = path.split(".")
+            for part in containers:
+                if part not in parent._modules:
+                    parent.add_module(part, torch.nn.Module())
+                parent = parent._modules[part]
+            parent.add_module(leaf, model.get_submodule(path))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> TrainableView:
+        self.model.train(mode)
+        return super().train(mode)
+
+
+def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig, gradient_checkpointing: bool) -> list[str]:
+    """LoRA adapters (the base frozen, quantized if asked) or a full fine-tune; gradient
+    checkpointing as planned. Returns what was done, in lines for the log."""
+    done = []
     if run.training.quantize_base is not Quantization.none:
-        raise ZerotrainError("training.quantize_base: training over a quantized base is not available yet in "
-                             "zerotrain train; plan it with zerotrain plan, train with quantize_base=none")
+        done.append(quantize_base(model, run.training.quantize_base))
     if run.training.mode is Mode.lora:
         from zerotrain.planner.trace import apply_lora
 
@@ -44,6 +113,10 @@ def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig, gradient
     if gradient_checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    done.append(f"{run.training.mode.value} training: {trainable:,} trainable parameters"
+                + (", gradient checkpointing" if gradient_checkpointing else ""))
+    return done
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -64,14 +137,23 @@ def make_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig) -> torch.op
         lr_lambda, warmup=opt.warmup_steps, total=run.training.max_steps, schedule=opt.schedule))
 
 
-def build_engine(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig) -> Any:
+def build_engine(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig, device: torch.device) -> Any:
     """deepspeed.initialize with the trainable parameters; DeepSpeed builds AdamW (CPU Adam when
-    the optimizer is offloaded) and steps the LR schedule at every optimizer step."""
+    the optimizer is offloaded) and steps the LR schedule at every optimizer step. A quantized
+    model is moved to `device` here and given to DeepSpeed as a TrainableView (see denoiser())."""
     import deepspeed
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ZerotrainError("nothing to train: no parameter requires a gradient (check training.lora.target_modules)")
+    if run.training.quantize_base is not Quantization.none:
+        model = TrainableView(model.to(device))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
                                            lr_scheduler=partial(make_scheduler, run=run))
     return engine
+
+
+def denoiser(engine: Any) -> torch.nn.Module:
+    """The diffusers model an engine trains (inside a TrainableView for a quantized base)."""
+    module = engine.module
+    return module.model if isinstance(module, TrainableView) else module

@@ -134,8 +134,10 @@ def train(args: argparse.Namespace) -> int:
     objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
     torch.manual_seed(run.training.seed)  # LoRA's initial weights come from torch's global generator
     model = load_denoiser(spec, folder)
-    apply_mode(model, spec, run, checkpointing)
-    engine = build_engine(model, ds_config, run)
+    for line in apply_mode(model, spec, run, checkpointing):
+        if topo.is_main:
+            print(line, flush=True)
+    engine = build_engine(model, ds_config, run, device)
     generator = torch.Generator().manual_seed(run.training.seed * 100_003 + topo.rank)
     step = 0
     if checkpoint is not None:
