@@ -4,7 +4,16 @@ sampler position, every random number generator, step counters, the config and t
 RUN/checkpoints/<tag>/ holds DeepSpeed's files, rng-<rank>.pt per rank and zerotrain_state.json.
 RUN/checkpoints/latest names the newest complete tag. It is written (atomically, by rank 0)
 only after every rank has finished saving, so a checkpoint interrupted mid-write is never
-chosen. The newest `keep` checkpoints are kept."""
+chosen. The newest `keep` checkpoints are kept. Frozen parameters (a LoRA run's base) are not
+saved: they come from the model folder at every start.
+
+A checkpoint saved by another number of processes, or under another ZeRO stage, cannot be loaded
+as it is (DeepSpeed's optimizer files are partitioned per rank). It is converted once, by rank 0,
+with DeepSpeed's universal checkpointing (deepspeed.checkpoint.ds_to_universal) into
+<tag>/universal/, which every rank then loads with the config's checkpoint.load_universal. The
+sampler re-partitions by global position (data/sampler.py), so no sample of the epoch repeats or
+is skipped. Each rank restores its own rng-<rank>.pt where there is one; a rank the saving run
+did not have keeps its freshly seeded generators."""
 
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ from zerotrain.errors import ZerotrainError
 
 LATEST = "latest"
 STATE = "zerotrain_state.json"
+UNIVERSAL = "universal"
 
 
 def tag_for(step: int) -> str:
@@ -47,16 +57,29 @@ def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -
         g.set_state(state["generators"][name])
 
 
+def layout(engine: Any) -> dict[str, int]:
+    """What a checkpoint's DeepSpeed files depend on: how many ranks partitioned it, and how."""
+    return {"world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage()}
+
+
 def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str, Any],
          generators: dict[str, torch.Generator], keep: int) -> Path:
     """Every rank calls this. Returns the checkpoint folder."""
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
+
     root = run_dir / "checkpoints"
     tag = tag_for(step)
-    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    # ds_to_universal requires the client to declare the universal checkpoint version.
+    info = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    engine.save_checkpoint(str(root), tag=tag, client_state=info, save_latest=False, exclude_frozen_parameters=True)
     torch.save(rng_state(generators), root / tag / f"rng-{topo.rank}.pt")
     barrier()
     if topo.is_main:
-        (root / tag / STATE).write_text(json.dumps(state, indent=1, default=str))
+        (root / tag / STATE).write_text(json.dumps({**state, **layout(engine)}, indent=1, default=str))
         tmp = root / f"{LATEST}.tmp"
         tmp.write_text(tag)
         os.replace(tmp, root / LATEST)
@@ -84,12 +107,70 @@ def find(run_dir: Path, resume: str | Path) -> Path | None:
     raise ZerotrainError(f"training.resume={resume}: holds no zerotrain checkpoint (no {STATE}, no checkpoints/{LATEST})")
 
 
-def load(engine: Any, checkpoint: Path, topo: Topology, generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    """Restore the engine, this rank's generators, and return zerotrain's state (step, sampler)."""
-    loaded, _ = engine.load_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+def saved_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / STATE).read_text())
+
+
+def needs_universal(checkpoint: Path, world_size: int, zero_stage: int) -> bool:
+    """Whether the checkpoint was partitioned for another world size or ZeRO stage than this run's."""
+    state = saved_state(checkpoint)
+    return (state.get("world_size"), state.get("zero_stage")) != (world_size, zero_stage)
+
+
+def make_universal(checkpoint: Path, topo: Topology) -> Path:
+    """The checkpoint in DeepSpeed's universal format (<tag>/universal), converted by rank 0 the
+    first time it is needed: into a temporary folder, renamed when complete, so that an
+    interrupted conversion is redone rather than loaded. Every rank calls this."""
+    target = checkpoint / UNIVERSAL
+    if topo.is_main and not target.is_dir():
+        import argparse
+        import contextlib
+        import sys
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        partial = checkpoint / f"{UNIVERSAL}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        args = argparse.Namespace(input_folder=str(checkpoint), output_folder=str(partial), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)
+        print(f"converting {checkpoint} to a universal checkpoint for {topo.world_size} process(es)", flush=True)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # its progress is DeepSpeed's, not the run's
+                ds_to_universal.main(args)
+        except Exception as err:
+            raise ZerotrainError(f"{checkpoint}: DeepSpeed cannot convert it to a universal checkpoint "
+                                 f"({' '.join(str(err).split())[:300]}); resume with the world size and ZeRO "
+                                 f"stage it was saved with ({saved_state(checkpoint)})") from err
+        os.replace(partial, target)
+    barrier()
+    return target
+
+
+def load(engine: Any, checkpoint: Path, topo: Topology, generators: dict[str, torch.Generator],
+         universal: Path | None = None) -> dict[str, Any]:
+    """Restore the engine (from `universal`, the converted checkpoint, when given), this rank's
+    generators, and return zerotrain's state (step, sampler). Frozen parameters are not in the
+    checkpoint (they were loaded from the model folder); every trainable one must be."""
+    source = universal or checkpoint
+    missing = [name for name, p in engine.module.named_parameters() if p.requires_grad]
+    loaded, _ = engine.load_checkpoint(str(source.parent), tag=source.name, load_module_strict=False)
     if loaded is None:
         raise ZerotrainError(f"{checkpoint}: DeepSpeed could not load this checkpoint")
+    saved = set(_module_names(source))
+    missing = [name for name in missing if name not in saved]
+    if missing:
+        raise ZerotrainError(f"{checkpoint}: {len(missing)} trained tensors are not in it, e.g. {missing[0]}; "
+                             "was it saved by a run of another model or training mode?")
     rng_file = checkpoint / f"rng-{topo.rank}.pt"
     if rng_file.is_file():
         restore_rng(torch.load(rng_file, weights_only=False), generators)
     return json.loads((checkpoint / STATE).read_text())
+
+
+def _module_names(checkpoint: Path) -> list[str]:
+    """Parameter names in a DeepSpeed checkpoint's (first) model-states file."""
+    files = sorted(checkpoint.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        return []
+    return list(torch.load(files[0], map_location="cpu", weights_only=False, mmap=True).get("module") or {})

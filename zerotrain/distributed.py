@@ -5,7 +5,7 @@ SLURM_LOCALID). Nothing else in zerotrain reads these variables."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,39 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return Topology(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
     return Topology(0, 1, 0)
+
+
+def slurm_rendezvous(environ: MutableMapping[str, str] | None = None) -> None:
+    """Under Slurm's srun (SLURM_PROCID and SLURM_NTASKS, no RANK), set the variables torch and
+    DeepSpeed read: RANK, WORLD_SIZE and LOCAL_RANK from SLURM_*, MASTER_ADDR (when not set) the
+    first host of SLURM_JOB_NODELIST, MASTER_PORT (when not set) 20000 + SLURM_JOB_ID % 20000, so
+    that jobs sharing a node do not collide. Anything already set is kept."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+    env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if "MASTER_ADDR" not in env and nodelist:
+        env["MASTER_ADDR"] = first_host(nodelist)
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 20000))
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
+    head = nodelist.strip()
+    depth = 0
+    for i, char in enumerate(head):
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            head = head[:i]
+            break
+    if "[" not in head:
+        return head
+    prefix, _, ranges = head.partition("[")
+    first = ranges.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first + head[head.index("]") + 1:]
 
 
 def init_process_group(topo: Topology) -> None:

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from zerotrain.checkpoint import find, load, save
+from zerotrain.checkpoint import find, load, make_universal, needs_universal, save
 from zerotrain.config import RunConfig, load_config
-from zerotrain.distributed import Topology, barrier, topology
+from zerotrain.distributed import Topology, barrier, slurm_rendezvous, topology
 from zerotrain.errors import ZerotrainError
 
 
@@ -39,27 +39,54 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object]:
-    """Rank 0 plans for the real world size; every rank computes the same plan from the same
-    inputs, so nothing needs broadcasting. A given DeepSpeed config is used as is."""
+def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, object]:
+    """The DeepSpeed config, the plan and the Layout in use. Every rank computes the same plan from
+    the same inputs (and the planner's facts cache), so nothing needs broadcasting.
+
+    deepspeed: auto uses the planner's choice. A given config is used as given (completed by
+    deepspeed_json.complete_given), after the planner has evaluated it: rank 0 warns when it is
+    predicted not to fit. Gradient checkpointing for a given config follows
+    training.gradient_checkpointing, or with auto, the planner: only if it does not fit without."""
     from zerotrain.hardware import hardware_facts
-    from zerotrain.planner.deepspeed_json import deepspeed_config, validate
+    from zerotrain.planner.deepspeed_json import (
+        complete_given,
+        deepspeed_config,
+        given_config,
+        layout_of,
+        validate,
+    )
     from zerotrain.planner.facts import measure_model
-    from zerotrain.planner.search import plan
+    from zerotrain.planner.search import describe, evaluate, gib, plan
 
     hw = hardware_facts(run.hardware)
     per_node = topo.world_size // run.hardware.nodes or 1
     hw = dataclasses.replace(hw, gpus_per_node=per_node, nodes=topo.world_size // per_node)
-    result = plan(measure_model(spec, run), hw, run)
-    if run.deepspeed != "auto":
-        given = run.deepspeed if isinstance(run.deepspeed, dict) else json.loads(Path(run.deepspeed).read_text())
-        return given, result
-    if result.chosen is None:
-        raise ZerotrainError("the planner finds no configuration that fits: " + "; ".join(result.reasons[-1:]) +
-                             " (run zerotrain plan for suggestions)")
-    config = deepspeed_config(result.chosen.layout, run, topo.world_size)
-    validate(config)
-    return config, result
+    facts = measure_model(spec, run)
+    result = plan(facts, hw, run)
+    given = given_config(run)
+    if given is None:
+        if result.chosen is None:
+            raise ZerotrainError("the planner finds no configuration that fits: " + "; ".join(result.reasons[-1:]) +
+                                 " (run zerotrain plan for suggestions)")
+        config = deepspeed_config(result.chosen.layout, run, topo.world_size)
+        validate(config)
+        return config, result, result.chosen.layout
+
+    default_micro = result.chosen.layout.micro_batch if result.chosen else 1
+    config = complete_given(*given, run, topo.world_size, default_micro)
+    checkpointing = run.training.gradient_checkpointing
+    options = [False, True] if checkpointing == "auto" else [checkpointing]
+    evaluated = [evaluate(layout_of(config, gc), facts, hw, run) for gc in options]
+    used = next((c for c in evaluated if c.fits), evaluated[-1])
+    result.reasons.append(f"{given[1]} is used as given: {describe(used.layout)}, predicted "
+                          f"{gib(used.memory.device_total)} per GPU")
+    if not used.fits and topo.is_main:
+        better = f"; the planner would choose {describe(result.chosen.layout)} " \
+                 f"({gib(result.chosen.memory.device_total)} per GPU)" if result.chosen else ""
+        print(f"zerotrain: warning: {given[1]} is predicted not to fit: {describe(used.layout)} "
+              f"{used.rejected}{better}; training with it as given", file=sys.stderr, flush=True)
+    result.given = used
+    return config, result, used.layout
 
 
 def standalone_rendezvous() -> None:
@@ -105,6 +132,7 @@ def train(args: argparse.Namespace) -> int:
 
     # Parse and validate everything before any model loads.
     run = load_config(args.config, args.overrides)
+    slurm_rendezvous()
     topo = topology()
     spec = resolve_model(run.model)
     check_resolution(spec, run.data.resolution)
@@ -115,11 +143,9 @@ def train(args: argparse.Namespace) -> int:
     device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
 
     # Plan, and record the run.
-    ds_config, plan_result = plan_deepspeed(run, spec, topo)
+    ds_config, plan_result, layout = plan_deepspeed(run, spec, topo)
     write_run_folder(run, ds_config, plan_result, topo)
-    micro = ds_config["train_micro_batch_size_per_gpu"]
-    accumulation = ds_config["gradient_accumulation_steps"]
-    checkpointing = plan_result.chosen.layout.gradient_checkpointing if plan_result.chosen else False
+    micro, accumulation, checkpointing = layout.micro_batch, layout.accumulation, layout.gradient_checkpointing
 
     # Data: build or top up the cache (the encoders are freed before the model loads).
     prepared = prepare(run, spec, topo, device)
@@ -128,6 +154,14 @@ def train(args: argparse.Namespace) -> int:
     if topo.is_main:
         for line in prepared.summary():
             print(line, flush=True)
+
+    # A checkpoint partitioned for another world size or stage is converted first (host memory is
+    # still free of the model), then loaded universally.
+    universal = None
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if checkpoint is not None and needs_universal(checkpoint, topo.world_size, stage):
+        universal = make_universal(checkpoint, topo)
+        ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
     # Model and engine.
     scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
@@ -141,7 +175,7 @@ def train(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(run.training.seed * 100_003 + topo.rank)
     step = 0
     if checkpoint is not None:
-        state = load(engine, checkpoint, topo, {"objective": generator})
+        state = load(engine, checkpoint, topo, {"objective": generator}, universal)
         step = state["step"]
         sampler.load_state_dict(state["sampler"])
         if topo.is_main:
@@ -187,10 +221,11 @@ def train(args: argparse.Namespace) -> int:
             state = {"step": step, "sampler": sampler.state_dict(), "images": step * images_per_step}
             save(engine, run.output_dir, step, topo, state, {"objective": generator}, run.training.keep_checkpoints)
 
-    # Close: export weights diffusers loads.
+    # Close: rank 0 exports weights diffusers loads, from the final checkpoint every rank has
+    # finished writing (save() ends with a barrier). The other ranks are done: no collective
+    # follows, so a long export (a large ZeRO-3 model) cannot run into a process-group timeout.
     if topo.is_main:
         print(f"exported to {export(run.output_dir)}", flush=True)
-    barrier()
     return 0
 
 

@@ -69,24 +69,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_train(output_dir: Path, overrides: list[str], log_dir: Path, name: str,
-              timeout: float = TIMEOUT_S) -> TrainResult:
-    """Start WORLD ranks of train.py on examples/tiny-cpu.yaml + overrides and wait for them.
-    A rank that exits non-zero leaves the others waiting in a collective: they are stopped."""
+def process_env() -> dict[str, str]:
+    """The environment every test process runs in: CPU DeepSpeed, one thread, the repository importable."""
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def rank_env(rank: int, world: int, port: int, slurm: bool) -> dict[str, str]:
+    """What a launcher sets for one rank: torchrun's and DeepSpeed's variables, or (slurm) what
+    srun sets, with only MASTER_PORT added (a batch script exports it; zerotrain derives the rest)."""
+    if slurm:
+        return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(rank),
+                "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "1", "MASTER_PORT": str(port)}
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+def run_ranks(args: list[str], log_dir: Path, name: str, timeout: float = TIMEOUT_S,
+              world: int = WORLD, slurm: bool = False) -> tuple[list[int], list[Path], float]:
+    """Start `world` ranks of the command `args` as a launcher would (or as srun would, with
+    slurm=True), and wait for them. A rank that exits non-zero leaves the others waiting in a
+    collective: they are stopped. Returns the exit codes, each rank's log (stdout and stderr) and
+    the seconds taken."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-u", str(REPO / "zerotrain" / "train.py"), "--config", str(CONFIG),
-            "--set", f"output_dir={output_dir}"]
-    for override in overrides:
-        args += ["--set", override]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    logs = [log_dir / f"{name}.rank{rank}.log" for rank in range(WORLD)]
+    env = {k: v for k, v in process_env().items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
+    port = free_port()
+    logs = [log_dir / f"{name}.rank{rank}.log" for rank in range(world)]
     started = time.monotonic()
     procs = []
     for rank, log in enumerate(logs):
         with log.open("w") as out:
-            procs.append(subprocess.Popen(args, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            procs.append(subprocess.Popen(args, env={**env, **rank_env(rank, world, port, slurm)},
                                           stdout=out, stderr=subprocess.STDOUT, cwd=log_dir))
     deadline = started + timeout
     while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
@@ -95,8 +109,23 @@ def run_train(output_dir: Path, overrides: list[str], log_dir: Path, name: str,
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
-    returncodes = [proc.wait() for proc in procs]
-    return TrainResult(output_dir, returncodes, logs, time.monotonic() - started)
+    return [proc.wait() for proc in procs], logs, time.monotonic() - started
+
+
+def train_args(output_dir: Path, overrides: list[str]) -> list[str]:
+    """train.py's arguments for examples/tiny-cpu.yaml + overrides."""
+    args = [str(REPO / "zerotrain" / "train.py"), "--config", str(CONFIG), "--set", f"output_dir={output_dir}"]
+    for override in overrides:
+        args += ["--set", override]
+    return args
+
+
+def run_train(output_dir: Path, overrides: list[str], log_dir: Path, name: str,
+              timeout: float = TIMEOUT_S, world: int = WORLD, slurm: bool = False) -> TrainResult:
+    """`world` ranks of train.py on examples/tiny-cpu.yaml + overrides."""
+    args = [sys.executable, "-u", *train_args(output_dir, overrides)]
+    returncodes, logs, seconds = run_ranks(args, log_dir, name, timeout, world, slurm)
+    return TrainResult(output_dir, returncodes, logs, seconds)
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +145,8 @@ def shared_cache(tmp_path_factory) -> Path:
 class Trainer:
     """train(name, *overrides) runs examples/tiny-cpu.yaml on two ranks with output_dir
     tmp_path/name, the shared cache, and the bundled images once each per epoch (8 samples);
-    later overrides win. Returns a TrainResult (not checked: call .check())."""
+    later overrides win; world= sets the number of ranks. Returns a TrainResult (not checked: call
+    .check())."""
 
     config = CONFIG
     world = WORLD
@@ -133,10 +163,11 @@ class Trainer:
 
         return load_config(CONFIG, [*self.base, *overrides])
 
-    def __call__(self, name: str, *overrides: str, timeout: float = TIMEOUT_S) -> TrainResult:
+    def __call__(self, name: str, *overrides: str, timeout: float = TIMEOUT_S, world: int = WORLD,
+                 slurm: bool = False) -> TrainResult:
         self.calls += 1
         return run_train(self.tmp_path / name, [*self.base, *overrides], self.tmp_path / "logs",
-                         f"{self.calls}-{name}", timeout)
+                         f"{self.calls}-{name}", timeout, world, slurm)
 
 
 @pytest.fixture

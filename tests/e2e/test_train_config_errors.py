@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
     ("training.quantize_base=qint4", "quantize_base=qint4 needs mode=lora"),
     ("training.resume=/tmp", "training.resume=/tmp: holds no zerotrain checkpoint"),
     ("data.resolution=1002", "data.resolution=1002 is not a multiple of 4"),
+    ("deepspeed=/no/such/ds.json", "deepspeed=/no/such/ds.json: no such file"),
+    ("deepspeed={train_batch_size: 3}", "deepspeed (inline): 3 images per step"),
 ])
 def test_config_mistakes_fail_before_loading(override, expected, tmp_path):
     result = subprocess.run(

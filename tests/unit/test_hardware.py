@@ -290,3 +290,4 @@ def test_nvme_free_space(tmp_path):
     assert free is not None and abs(free - shutil.disk_usage(tmp_path).free) < 256 * MiB
     given = HardwareConfig(gpus="1xL4-24GB", nvme_path=tmp_path, nvme_space="2TB")
     assert hardware_facts(given, environ={}).nvme_free_bytes == 2 * 10**12
+

@@ -1,5 +1,7 @@
 """The DeepSpeed JSON for a chosen layout: concrete values only (DeepSpeed silently drops
-"auto" in some paths), validated by DeepSpeed's own config class."""
+"auto" in some paths), validated by DeepSpeed's own config class. And the other way round: a
+DeepSpeed JSON the user gives (`deepspeed: path` or an inline dict), completed and read back
+as the Layout the planner can evaluate."""
 
 from __future__ import annotations
 
@@ -100,3 +102,77 @@ def write_config(config: dict[str, Any], path: Path, header: dict[str, Any] | No
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# What zerotrain fills into a given config that lacks it (never overriding what it has).
+FILLED_KEYS = ("optimizer", "gradient_clipping", "bf16", "steps_per_print", "wall_clock_breakdown")
+
+
+def given_config(run: RunConfig) -> tuple[dict[str, Any], str] | None:
+    """The DeepSpeed config the run names and where it comes from, or None for deepspeed: auto."""
+    if isinstance(run.deepspeed, dict):
+        return json.loads(json.dumps(run.deepspeed)), "deepspeed (inline)"
+    if run.deepspeed == "auto":
+        return None
+    path = Path(run.deepspeed)
+    source = f"deepspeed={path}"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ZerotrainError(f"{source}: no such file; give the path of a DeepSpeed JSON config, or auto") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ZerotrainError(f"{source}: cannot be read ({err})") from err
+    except json.JSONDecodeError as err:
+        raise ZerotrainError(f"{source}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from err
+    if not isinstance(data, dict):
+        raise ZerotrainError(f"{source}: a DeepSpeed config is a JSON object, this file holds a {type(data).__name__}")
+    return data, source
+
+
+def complete_given(given: dict[str, Any], source: str, run: RunConfig, world_size: int,
+                   default_micro: int) -> dict[str, Any]:
+    """The given config with its batch numbers completed and checked: train_batch_size = micro x
+    accumulation x world, and it must equal training.global_batch_size. Missing numbers ("auto"
+    counts as missing) come from that equation, zerotrain's global batch, and the planner's
+    micro-batch `default_micro` when neither micro nor accumulation is given. FILLED_KEYS the
+    config lacks are taken from zerotrain's own config."""
+    config = {k: v for k, v in given.items() if not (k in BATCH_KEYS and v == "auto")}
+    total, micro, accumulation = (config.get(k) for k in BATCH_KEYS)
+    for key, value in zip(BATCH_KEYS, (total, micro, accumulation)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ZerotrainError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if total is None and not (micro and accumulation):
+        total = run.training.global_batch_size
+    if micro is None and accumulation is None:
+        micro = default_micro
+    if micro is None:
+        micro = total // (accumulation * world_size)
+    if accumulation is None:
+        accumulation = total // (micro * world_size)
+    total = total or micro * accumulation * world_size
+    if not micro or not accumulation or micro * accumulation * world_size != total:
+        raise ZerotrainError(
+            f"{source}: train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={accumulation} x {world_size} processes; fix the batch numbers")
+    if total != run.training.global_batch_size:
+        raise ZerotrainError(
+            f"{source}: {total} images per step (micro {micro} x accumulation {accumulation} x {world_size} "
+            f"processes), but training.global_batch_size is {run.training.global_batch_size}; make them agree")
+    config.update(dict(zip(BATCH_KEYS, (total, micro, accumulation))))
+    own = deepspeed_config(Layout(0, micro_batch=micro, accumulation=accumulation), run, world_size)
+    for key in FILLED_KEYS:
+        config.setdefault(key, own[key])
+    return config
+
+
+def layout_of(config: dict[str, Any], gradient_checkpointing: bool) -> Layout:
+    """The Layout a complete DeepSpeed config describes, for the planner to evaluate."""
+    zero = config.get("zero_optimization") or {}
+
+    def device(section: str) -> str:
+        return str((zero.get(section) or {}).get("device", "none"))
+
+    return Layout(int(zero.get("stage", 0)), device("offload_optimizer"), device("offload_param"),
+                  gradient_checkpointing, config["train_micro_batch_size_per_gpu"],
+                  config["gradient_accumulation_steps"])

@@ -70,10 +70,13 @@ class Plan:
     reasons: list[str]
     suggestions: list[str] = field(default_factory=list)
     flops_per_sample: float = 0.0
+    given: Candidate | None = None
+    """A DeepSpeed config the user gave (train.py's deepspeed: path), as the planner evaluates it."""
 
     def to_json(self) -> dict[str, Any]:
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("chosen", "candidates")}
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("chosen", "candidates", "given")}
         data["chosen"] = self.chosen.to_json() if self.chosen else None
+        data["given"] = self.given.to_json() if self.given else None
         data["candidates"] = [c.to_json() for c in self.candidates]
         return data
 

@@ -1,0 +1,116 @@
+"""A DeepSpeed config given by the user (`deepspeed: path` or inline): read with one-line errors,
+completed as DeepSpeed resolves batch numbers, read back as a Layout, and evaluated by the
+planner, with a warning when it is predicted not to fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerotrain.config import load_config
+from zerotrain.errors import ZerotrainError
+from zerotrain.planner.deepspeed_json import complete_given, given_config, layout_of
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny-cpu.yaml"
+
+
+def run_with(*overrides: str, global_batch: int = 8):
+    return load_config(TINY, [f"training.global_batch_size={global_batch}", *overrides])
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, (8, 2, 2)),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1}, (8, 1, 4)),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 4}, (8, 1, 4)),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}, (8, 2, 2)),
+    ({"train_batch_size": 8}, (8, 2, 2)),
+    ({"train_micro_batch_size_per_gpu": 4}, (8, 4, 1)),
+    ({}, (8, 2, 2)),  # zerotrain's global batch, the planner's micro-batch (2 here)
+    ({"gradient_accumulation_steps": 1}, (8, 4, 1)),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4},
+     (8, 1, 4)),
+])
+def test_batch_numbers_are_completed(given, expected):
+    config = complete_given(given, "deepspeed=x.json", run_with(), world_size=2, default_micro=2)
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
+            config["gradient_accumulation_steps"]) == expected
+
+
+@pytest.mark.parametrize(("given", "message"), [
+    ({"train_batch_size": 16}, ("16 images per step (micro 1 x accumulation 8 x 2 processes), but "
+                                "training.global_batch_size is 8; make them agree")),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3},
+     "train_batch_size=8 is not train_micro_batch_size_per_gpu=3"),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
+     "is not train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=1 x 2 processes"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a positive integer, got 0"),
+])
+def test_inconsistent_batch_numbers_are_one_line_errors(given, message):
+    with pytest.raises(ZerotrainError, match="^deepspeed=x.json: ") as err:
+        complete_given(given, "deepspeed=x.json", run_with(), world_size=2, default_micro=1)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_sections_are_filled_and_given_ones_kept():
+    given = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 5e-5}},
+             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    config = complete_given(given, "x", run_with("optimizer.lr=2e-4", "optimizer.grad_clip=0.5"), 2, 1)
+    assert config["optimizer"] == given["optimizer"] and config["zero_optimization"] == given["zero_optimization"]
+    assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
+    assert complete_given({}, "x", run_with("optimizer.lr=2e-4"), 2, 1)["optimizer"]["params"]["lr"] == 2e-4
+
+
+def test_layout_of_reads_stage_offload_and_batch():
+    config = complete_given({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                   "offload_param": {"device": "nvme"}}}, "x", run_with(), 2, 2)
+    layout = layout_of(config, gradient_checkpointing=True)
+    assert (layout.stage, layout.offload_optimizer, layout.offload_param, layout.gradient_checkpointing,
+            layout.micro_batch, layout.accumulation) == (3, "cpu", "nvme", True, 2, 2)
+    assert layout_of(complete_given({}, "x", run_with(), 2, 2), False).stage == 0
+
+
+def test_given_config_reads_files_inline_and_auto(tmp_path):
+    assert given_config(run_with()) is None
+    inline = given_config(run_with('deepspeed={"zero_optimization": {"stage": 2}}'))
+    assert inline == ({"zero_optimization": {"stage": 2}}, "deepspeed (inline)")
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8}')
+    assert given_config(run_with(f"deepspeed={path}")) == ({"train_batch_size": 8}, f"deepspeed={path}")
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "no such file; give the path of a DeepSpeed JSON config, or auto"),
+    ('{"stage": 2,}', "not valid JSON (line 1, column 13"),
+    ("[1, 2]", "a DeepSpeed config is a JSON object, this file holds a list"),
+])
+def test_bad_given_files_are_one_line_errors(tmp_path, content, message):
+    path = tmp_path / "ds.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ZerotrainError, match=f"^deepspeed={path}: ") as err:
+        given_config(run_with(f"deepspeed={path}"))
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(("gpu_memory", "warns"), [("40MiB", True), ("64GiB", False)])
+def test_a_given_config_predicted_not_to_fit_warns(tmp_path, capsys, gpu_memory, warns):
+    from zerotrain.distributed import Topology
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.train import plan_deepspeed
+
+    given = {"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": 1}
+    run = run_with(f"deepspeed={json.dumps(given)}", f"hardware.gpu_memory={gpu_memory}",
+                   f"planner.cache_dir={tmp_path}", global_batch=2)
+    config, result, layout = plan_deepspeed(run, resolve_model(run.model), Topology(0, 1, 0))
+    assert (layout.stage, layout.micro_batch, layout.accumulation) == (0, 1, 2)
+    assert config["gradient_accumulation_steps"] == 2 and result.given.layout == layout
+    assert result.to_json()["given"]["fits"] is not warns
+    err = capsys.readouterr().err
+    if warns:
+        assert "zerotrain: warning: deepspeed (inline) is predicted not to fit: ZeRO-0" in err
+        assert "training with it as given" in err
+    else:
+        assert "warning" not in err and not layout.gradient_checkpointing  # fits without recomputation
