@@ -17,6 +17,7 @@ did not have keeps its freshly seeded generators."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerotrain.distributed import Topology, barrier
+from zerotrain.distributed import Topology, all_ok, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
 
 LATEST = "latest"
@@ -63,8 +64,14 @@ def layout(engine: Any) -> dict[str, int]:
 
 
 def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str, Any],
-         generators: dict[str, torch.Generator], keep: int) -> Path:
-    """Every rank calls this. Returns the checkpoint folder."""
+         generators: dict[str, torch.Generator], keep: int, inject_failure: bool = False) -> Path:
+    """Every rank calls this. Returns the checkpoint folder.
+
+    Nothing half-written is ever taken for a checkpoint: the ranks agree that every file was
+    written before rank 0 moves `latest`. If any rank fails (a full disk, an I/O error), the
+    partial folder is removed, `latest` keeps naming the previous checkpoint, and every rank
+    raises one ZerotrainError. inject_failure (faults.inject_save_failure_at, for tests) makes
+    rank 0 fail after DeepSpeed has written its files, as a disk filling up mid-save would."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -73,21 +80,63 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
 
     root = run_dir / "checkpoints"
     tag = tag_for(step)
+    folder = root / tag
     # ds_to_universal requires the client to declare the universal checkpoint version.
     info = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    engine.save_checkpoint(str(root), tag=tag, client_state=info, save_latest=False, exclude_frozen_parameters=True)
-    torch.save(rng_state(generators), root / tag / f"rng-{topo.rank}.pt")
-    barrier()
+    error: OSError | None = None
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state=info, save_latest=False, exclude_frozen_parameters=True)
+    except OSError as err:
+        error = err
+        barrier()  # DeepSpeed's save ends in a barrier the other ranks are waiting in
+    if error is None:
+        try:
+            if inject_failure and topo.is_main:
+                raise OSError(errno.ENOSPC, "No space left on device (injected by faults.inject_save_failure_at)",
+                              str(folder / f"rng-{topo.rank}.pt"))
+            torch.save(rng_state(generators), folder / f"rng-{topo.rank}.pt")
+            if topo.is_main:
+                _write_atomic(folder / STATE, json.dumps({**state, **layout(engine)}, indent=1, default=str))
+        except OSError as err:
+            error = err
+    if not all_ok(error is None):
+        _abandon(folder, root, topo, error)
     if topo.is_main:
-        (root / tag / STATE).write_text(json.dumps({**state, **layout(engine)}, indent=1, default=str))
-        tmp = root / f"{LATEST}.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, root / LATEST)
+        try:
+            _write_atomic(root / LATEST, tag)
+        except OSError as err:
+            error = err
+    if not all_ok(error is None):
+        _abandon(folder, root, topo, error)
+    if topo.is_main:
         complete = sorted(p for p in root.glob("step-*") if (p / STATE).is_file())
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
-    return root / tag
+    return folder
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _abandon(folder: Path, root: Path, topo: Topology, error: OSError | None) -> None:
+    """A save failed on some rank: remove what was written, keep `latest`, and stop every rank
+    with the first rank's reason."""
+    reasons = [r for r in gather_objects(None if error is None else f"{error.strerror or error}: "
+                                         f"{error.filename or folder}") if r]
+    if topo.is_main:
+        shutil.rmtree(folder, ignore_errors=True)
+    barrier()
+    latest = root / LATEST
+    previous = f"{root / latest.read_text().strip()} is still the latest checkpoint" if latest.is_file() \
+        else "no earlier checkpoint exists"
+    free = shutil.disk_usage(root).free if root.exists() else 0
+    raise ZerotrainError(f"checkpoint {folder} could not be written ({reasons[0] if reasons else 'unknown error'}; "
+                         f"{free / 2**30:.1f} GiB free there); {previous}; free space, then resume with the same "
+                         "command (training.resume: auto)")
 
 
 def find(run_dir: Path, resume: str | Path) -> Path | None:

@@ -86,3 +86,21 @@ def gather_objects(value: object) -> list[object]:
     out: list[object] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, value)
     return out
+
+
+def agree(values: list[float]) -> list[float]:
+    """The element-wise maximum of `values` over all ranks (one small all-reduce; the values
+    themselves without a process group). Every rank must call it at the same point."""
+    if not torch.distributed.is_initialized():
+        return list(values)
+    device = "cpu"
+    if torch.distributed.get_backend() == "nccl":
+        device = f"cuda:{torch.cuda.current_device()}"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def all_ok(ok: bool) -> bool:
+    """Whether every rank says ok (see agree)."""
+    return agree([0.0 if ok else 1.0])[0] == 0.0

@@ -18,16 +18,17 @@ import json
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import torch
 import yaml
 
-from zerotrain.checkpoint import find, load, make_universal, needs_universal, save
+from zerotrain.checkpoint import find, load, make_universal, needs_universal, restore_rng, rng_state, save
 from zerotrain.config import RunConfig, load_config
-from zerotrain.distributed import Topology, barrier, slurm_rendezvous, topology
+from zerotrain.distributed import Topology, agree, barrier, slurm_rendezvous, topology
 from zerotrain.errors import ZerotrainError
+from zerotrain.faults import StopSignal, oom_advice
+from zerotrain.monitor import Monitor, StepTimes, measured_peaks
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -39,8 +40,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, object]:
-    """The DeepSpeed config, the plan and the Layout in use. Every rank computes the same plan from
+def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, object, object]:
+    """The DeepSpeed config, the plan, the Layout in use and the hardware facts. Every rank computes the same plan from
     the same inputs (and the planner's facts cache), so nothing needs broadcasting.
 
     deepspeed: auto uses the planner's choice. A given config is used as given (completed by
@@ -70,7 +71,7 @@ def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, 
                                  " (run zerotrain plan for suggestions)")
         config = deepspeed_config(result.chosen.layout, run, topo.world_size)
         validate(config)
-        return config, result, result.chosen.layout
+        return config, result, result.chosen.layout, hw
 
     default_micro = result.chosen.layout.micro_batch if result.chosen else 1
     config = complete_given(*given, run, topo.world_size, default_micro)
@@ -86,7 +87,7 @@ def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, 
         print(f"zerotrain: warning: {given[1]} is predicted not to fit: {describe(used.layout)} "
               f"{used.rejected}{better}; training with it as given", file=sys.stderr, flush=True)
     result.given = used
-    return config, result, used.layout
+    return config, result, used.layout, hw
 
 
 def standalone_rendezvous() -> None:
@@ -129,6 +130,7 @@ def train(args: argparse.Namespace) -> int:
     from zerotrain.models.catalog import resolve_model
     from zerotrain.models.families import check_resolution
     from zerotrain.objectives import make_objective
+    from zerotrain.planner.search import describe, gib
 
     # Parse and validate everything before any model loads.
     run = load_config(args.config, args.overrides)
@@ -143,7 +145,8 @@ def train(args: argparse.Namespace) -> int:
     device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
 
     # Plan, and record the run.
-    ds_config, plan_result, layout = plan_deepspeed(run, spec, topo)
+    ds_config, plan_result, layout, hw = plan_deepspeed(run, spec, topo)
+    peak_flops = hw.peak_bf16_flops if device.type == "cuda" else None
     write_run_folder(run, ds_config, plan_result, topo)
     micro, accumulation, checkpointing = layout.micro_batch, layout.accumulation, layout.gradient_checkpointing
 
@@ -173,53 +176,105 @@ def train(args: argparse.Namespace) -> int:
             print(line, flush=True)
     engine = build_engine(model, ds_config, run, device)
     generator = torch.Generator().manual_seed(run.training.seed * 100_003 + topo.rank)
+    generators = {"objective": generator}
     step = 0
     if checkpoint is not None:
-        state = load(engine, checkpoint, topo, {"objective": generator}, universal)
+        state = load(engine, checkpoint, topo, generators, universal)
         step = state["step"]
         sampler.load_state_dict(state["sampler"])
         if topo.is_main:
             print(f"resumed from {checkpoint} at step {step}", flush=True)
     sampler.set_epoch(sampler.state_dict()["epoch"])
     batches = iter(loader)
-    metrics = (run.output_dir / "metrics.jsonl").open("a") if topo.is_main else None
     images_per_step = run.training.global_batch_size
+    used = plan_result.given or plan_result.chosen
+    monitor = Monitor(run.output_dir, topo, device, max_steps=run.training.max_steps, start_step=step,
+                      images_per_step=images_per_step, predicted=used.memory, layout_text=describe(layout),
+                      flops_per_image=plan_result.flops_per_sample, peak_flops_per_gpu=peak_flops,
+                      every=run.logging.every, tensorboard=run.logging.tensorboard,
+                      progress_bar=run.logging.progress_bar, memory_check_step=run.logging.memory_check_step)
+    stop = StopSignal(run.faults.grace_seconds)
+    faults = run.faults
+
+    def checkpoint_now(at: int) -> Path:
+        state = {"step": at, "sampler": sampler.state_dict(), "images": at * images_per_step}
+        return save(engine, run.output_dir, at, topo, state, generators, run.training.keep_checkpoints,
+                    inject_failure=at in faults.inject_save_failure_at)
 
     # The loop: one iteration is one optimizer step of `accumulation` micro-batches.
-    while step < run.training.max_steps:
-        started = time.perf_counter()
-        losses = []
-        for _ in range(accumulation):
-            batch = next(batches, None)
-            if batch is None:  # an epoch ends exactly at a step boundary (see data/sampler.py)
-                sampler.set_epoch(sampler.state_dict()["epoch"] + 1)
-                batches = iter(loader)
-                batch = next(batches)
-            inputs = objective.prepare(batch, generator)
-            kwargs = to_device(inputs.model_kwargs, device)
-            pred = engine(**kwargs, return_dict=False)[0]
-            loss = objective.loss(pred, dataclasses.replace(inputs, target=inputs.target.to(device),
-                                                            weights=None if inputs.weights is None
-                                                            else inputs.weights.to(device)))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
-        sampler.advance()
-        step += 1
-        mean_loss = torch.stack(losses).mean()
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(mean_loss)
-            mean_loss /= topo.world_size
-        record = {"step": step, "epoch": sampler.state_dict()["epoch"], "images": step * images_per_step,
-                  "loss": mean_loss.item(), "lr": engine.get_lr()[0], "seconds": time.perf_counter() - started}
-        if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            print(f"step {step}/{run.training.max_steps} epoch {record['epoch']} loss {record['loss']:.5f} "
-                  f"lr {record['lr']:.2e}", flush=True)
-        if step % run.training.checkpoint_every == 0 or step == run.training.max_steps:
-            state = {"step": step, "sampler": sampler.state_dict(), "images": step * images_per_step}
-            save(engine, run.output_dir, step, topo, state, {"objective": generator}, run.training.keep_checkpoints)
+    bad_in_a_row = 0
+    try:
+        while step < run.training.max_steps:
+            at_start = rng_state(generators)  # to checkpoint this boundary if the step is abandoned
+            times = StepTimes()
+            losses = []
+            stopping = False
+            for micro_index in range(accumulation):
+                batch = next(batches, None)
+                if batch is None:  # an epoch ends exactly at a step boundary (see data/sampler.py)
+                    sampler.set_epoch(sampler.state_dict()["epoch"] + 1)
+                    batches = iter(loader)
+                    batch = next(batches)
+                inputs = objective.prepare(batch, generator)
+                kwargs = to_device(inputs.model_kwargs, device)
+                times.lap("data")
+                pred = engine(**kwargs, return_dict=False)[0]
+                loss = objective.loss(pred, dataclasses.replace(inputs, target=inputs.target.to(device),
+                                                                weights=None if inputs.weights is None
+                                                                else inputs.weights.to(device)))
+                if step + 1 in faults.inject_nan_at and topo.is_main and micro_index == 0:
+                    loss = loss * float("nan")
+                bad_loss, stop_requested = agree([float(not torch.isfinite(loss).item()), float(bool(stop.received))])
+                if stop_requested:
+                    stopping = True
+                    break
+                if bad_loss:  # every rank's gradients become NaN: DeepSpeed skips the step on all of them
+                    loss = loss * float("nan")
+                engine.backward(loss)
+                times.lap("forward_backward")
+                engine.step()  # the optimizer step at the accumulation boundary
+                times.lap("optimizer")
+                losses.append(loss.detach().float())
+            if stopping:
+                restore_rng(at_start, generators)
+                saved = checkpoint_now(step) if step > 0 else None
+                if topo.is_main:
+                    where = f"checkpoint {saved}" if saved else "no checkpoint (no step was completed)"
+                    monitor.log(f"stopped by {stop.received or 'a signal on another rank'} during step {step + 1}: "
+                                f"{where}; resume with the same command (training.resume: auto)")
+                return 0
+            sampler.advance()
+            step += 1
+            mean_loss = torch.stack(losses).mean()
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(mean_loss)
+                mean_loss /= topo.world_size
+            skipped = not engine.was_step_applied()
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = None if grad_norm is None else float(grad_norm)
+            monitor.step(step, sampler.state_dict()["epoch"], mean_loss.item(), engine.get_lr()[0],
+                         grad_norm, times, skipped)
+            monitor.memory_check(step)
+            bad_in_a_row = bad_in_a_row + 1 if skipped else 0
+            if bad_in_a_row >= faults.max_bad_steps:
+                saved = checkpoint_now(step)
+                raise ZerotrainError(
+                    f"{bad_in_a_row} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
+                    f"and were skipped; stopped with {saved}, which holds the last good weights. Lower "
+                    "optimizer.lr or check the data, then resume (training.resume: auto)")
+            if step % run.training.checkpoint_every == 0 or step == run.training.max_steps:
+                checkpoint_now(step)
+    except torch.OutOfMemoryError as err:
+        measured = measured_peaks(device)
+        raise ZerotrainError(
+            f"CUDA out of memory at step {step + 1} with {describe(layout)}: the planner predicted "
+            f"{gib(used.memory.device_total)} per GPU, the peak measured on this rank was "
+            f"{gib(measured['max_allocated'] or 0)} allocated, {gib(measured['max_reserved'] or 0)} reserved "
+            f"({' '.join(str(err).split())[:200]}). {oom_advice(plan_result, used, run.planner.headroom)}. "
+            "The last checkpoint is untouched") from err
+    finally:
+        stop.restore()
+        monitor.close()
 
     # Close: rank 0 exports weights diffusers loads, from the final checkpoint every rank has
     # finished writing (save() ends with a barrier). The other ranks are done: no collective

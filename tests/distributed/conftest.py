@@ -88,8 +88,8 @@ def rank_env(rank: int, world: int, port: int, slurm: bool) -> dict[str, str]:
 def run_ranks(args: list[str], log_dir: Path, name: str, timeout: float = TIMEOUT_S,
               world: int = WORLD, slurm: bool = False) -> tuple[list[int], list[Path], float]:
     """Start `world` ranks of the command `args` as a launcher would (or as srun would, with
-    slurm=True), and wait for them. A rank that exits non-zero leaves the others waiting in a
-    collective: they are stopped. Returns the exit codes, each rank's log (stdout and stderr) and
+    slurm=True), and wait for them. A rank that exits non-zero may leave the others waiting in a
+    collective: they are stopped 15 s later. Returns the exit codes, each rank's log (stdout and stderr) and
     the seconds taken."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in process_env().items()
@@ -103,8 +103,9 @@ def run_ranks(args: list[str], log_dir: Path, name: str, timeout: float = TIMEOU
             procs.append(subprocess.Popen(args, env={**env, **rank_env(rank, world, port, slurm)},
                                           stdout=out, stderr=subprocess.STDOUT, cwd=log_dir))
     deadline = started + timeout
-    while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-           and not any(p.poll() not in (None, 0) for p in procs)):
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):  # the others get a moment to fail on their own
+            deadline = min(deadline, time.monotonic() + 15)
         time.sleep(0.2)
     for proc in procs:
         if proc.poll() is None:

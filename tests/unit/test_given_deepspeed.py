@@ -104,7 +104,7 @@ def test_a_given_config_predicted_not_to_fit_warns(tmp_path, capsys, gpu_memory,
     given = {"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": 1}
     run = run_with(f"deepspeed={json.dumps(given)}", f"hardware.gpu_memory={gpu_memory}",
                    f"planner.cache_dir={tmp_path}", global_batch=2)
-    config, result, layout = plan_deepspeed(run, resolve_model(run.model), Topology(0, 1, 0))
+    config, result, layout, _ = plan_deepspeed(run, resolve_model(run.model), Topology(0, 1, 0))
     assert (layout.stage, layout.micro_batch, layout.accumulation) == (0, 1, 2)
     assert config["gradient_accumulation_steps"] == 2 and result.given.layout == layout
     assert result.to_json()["given"]["fits"] is not warns

@@ -291,6 +291,65 @@ class PlannerConfig(_Section):
     """Where measured model facts are cached; ~/.cache/zerotrain/facts when not given."""
 
 
+class ValidationConfig(_Section):
+    prompts: list[str] = []
+    """Prompts rendered with the model being trained; none: no validation images."""
+    seeds: list[int] = [0]
+    """Each prompt is rendered once per seed (the initial noise's seed)."""
+    every: int | None = Field(None, ge=1)
+    """Render every this many optimizer steps; none: only at the start and the end."""
+    at_start: bool = True
+    """Render before the first step (of a fresh run, not after a resume)."""
+    at_end: bool = True
+    """Render after the last step."""
+    resolution: int | None = Field(None, ge=64, le=4096)
+    """Square image side in pixels; data.resolution when not given."""
+    steps: int = Field(28, ge=1, le=1000)
+    """Denoising steps per image."""
+    guidance_scale: float | None = Field(None, ge=0.0)
+    """Guidance: Flux's distilled guidance, classifier-free guidance for SD3 and SDXL; the
+    family's usual value when not given (Flux 3.5, SD3 7.0, SDXL 5.0)."""
+    negative_prompt: str = ""
+    """Negative prompt for classifier-free guidance (SD3, SDXL)."""
+    use_ema: bool = False
+    """Render with the EMA weights (needs ema.enabled)."""
+
+
+class EmaConfig(_Section):
+    enabled: bool = False
+    """Keep an exponential moving average of the trainable weights (on the host, sharded like
+    the optimizer state, saved with each checkpoint)."""
+    decay: float = Field(0.999, gt=0.0, lt=1.0)
+    """Weight of the old average at each optimizer step."""
+    start_step: int = Field(0, ge=0)
+    """Until this step the average is a copy of the weights."""
+    export: bool = False
+    """Export the EMA weights (instead of the trained weights) at the end of training."""
+
+
+class FaultsConfig(_Section):
+    grace_seconds: float = Field(120.0, gt=0)
+    """After SIGTERM or SIGUSR1, how long zerotrain may take to write a checkpoint and exit."""
+    max_bad_steps: int = Field(3, ge=1)
+    """Consecutive steps with a NaN or inf loss or gradient norm after which the run stops (with a
+    checkpoint); fewer are skipped and counted."""
+    inject_nan_at: list[int] = []
+    """For tests: optimizer steps whose loss is made NaN on rank 0 (exercises the bad-step path)."""
+    inject_save_failure_at: list[int] = []
+    """For tests: steps whose checkpoint fails to write on rank 0, as with a full disk."""
+
+
+class LoggingConfig(_Section):
+    every: int = Field(1, ge=1)
+    """Print a progress line, and write metrics, every this many optimizer steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to <output_dir>/tensorboard."""
+    progress_bar: Literal["auto", "always", "never"] = "auto"
+    """A rich progress bar on rank 0: auto shows it when stdout is a terminal, plain lines otherwise."""
+    memory_check_step: int = Field(3, ge=1)
+    """After this step, one line compares the planner's predicted peak memory with the measured one."""
+
+
 class RunConfig(_Section):
     """The whole run: one object, validated once, that drives plan, cache and train."""
 
@@ -308,11 +367,27 @@ class RunConfig(_Section):
     """Search space and calibration constants of the memory planner."""
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     """Training objective: flow matching (Flux, SD3) or DDPM (SDXL)."""
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    """Validation images rendered during training."""
+    ema: EmaConfig = Field(default_factory=EmaConfig)
+    """Exponential moving average of the trainable weights."""
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    """Preemption signals and bad steps."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Progress, metrics and TensorBoard."""
     deepspeed: Literal["auto"] | Path | dict = "auto"
     """auto: the planner chooses and writes the DeepSpeed config. A path to a DeepSpeed JSON, or an
     inline mapping, is used as given (after a warning if the planner predicts it will not fit)."""
     output_dir: Path = Path("runs/zerotrain")
     """Run folder: resolved config, plan, DeepSpeed JSON, checkpoints, metrics, exported weights."""
+
+    @model_validator(mode="after")
+    def _ema_for_validation(self) -> RunConfig:
+        if self.validation.use_ema and not self.ema.enabled:
+            raise ValueError("validation.use_ema needs ema.enabled: true")
+        if self.ema.export and not self.ema.enabled:
+            raise ValueError("ema.export needs ema.enabled: true")
+        return self
 
     @model_validator(mode="after")
     def _batch_fits_world(self) -> RunConfig:

@@ -163,6 +163,9 @@ def complete_given(given: dict[str, Any], source: str, run: RunConfig, world_siz
     own = deepspeed_config(Layout(0, micro_batch=micro, accumulation=accumulation), run, world_size)
     for key in FILLED_KEYS:
         config.setdefault(key, own[key])
+    if isinstance(config.get("bf16"), dict) and config["bf16"].get("check_grad_overflow") is False:
+        raise ZerotrainError(f"{source}: bf16.check_grad_overflow is false, so a NaN or inf gradient would be "
+                             "applied to the weights; zerotrain skips such steps through it: remove the setting")
     return config
 
 

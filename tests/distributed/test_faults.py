@@ -1,0 +1,152 @@
+"""A run survives what stops long runs (zerotrain/faults.py), on two CPU ranks of the tiny example:
+
+- SIGTERM to both ranks mid-run: a checkpoint of the last completed step appears, both exit 0
+  within the grace period, and resuming gives the per-step losses of an uninterrupted run.
+- A NaN loss on rank 0 at one step: every rank skips that step (no hang, no update), the metrics
+  and the log say so, and the run goes on. The same run's metrics.jsonl and TensorBoard events are
+  read back for every scalar the monitor writes.
+- NaN losses at K consecutive steps: the run stops with a checkpoint and a message (exit 2).
+- A checkpoint that fails to write (rank 0, as a full disk would): the partial folder is removed,
+  `latest` still names the previous checkpoint, the run stops with one clear line, and resuming works.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed.conftest import WORLD, TrainResult, free_port, process_env, rank_env, train_args
+
+pytestmark = pytest.mark.distributed
+
+COMMON = ("planner.stages=[2]", "planner.offload=[none]", "training.mode=full", "training.resume=auto")
+GRACE_S = 60
+
+
+def stopped_by_sigterm(train, name: str, *overrides: str) -> tuple[TrainResult, float]:
+    """Start the ranks, wait until 3 steps are logged, send SIGTERM to every rank (as Slurm or a
+    launcher does), and wait for them. Returns the result and the seconds from signal to exit."""
+    out = train.tmp_path / name
+    log_dir = train.tmp_path / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-u", *train_args(out, [*train.base, *overrides])]
+    env = {k: v for k, v in process_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    port = free_port()
+    logs = [log_dir / f"{name}.rank{rank}.log" for rank in range(WORLD)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as handle:
+            procs.append(subprocess.Popen(args, env={**env, **rank_env(rank, WORLD, port, False)}, stdout=handle,
+                                          stderr=subprocess.STDOUT, cwd=log_dir))
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
+    assert all(p.poll() is None for p in procs), "a rank ended before it could be signalled:\n" + \
+        "\n".join(log.read_text()[-2000:] for log in logs)
+    signalled = time.monotonic()
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    returncodes = []
+    for proc in procs:
+        try:
+            returncodes.append(proc.wait(timeout=GRACE_S + 30))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            returncodes.append(proc.wait())
+    return TrainResult(out, returncodes, logs, 0.0), time.monotonic() - signalled
+
+
+def test_sigterm_checkpoints_and_resumes_exactly(train):
+    stopped, seconds = stopped_by_sigterm(train, "B", *COMMON, "training.max_steps=200",
+                                          "training.checkpoint_every=1000", f"faults.grace_seconds={GRACE_S}")
+    assert stopped.returncodes == [0] * WORLD, stopped.tails()
+    assert seconds < GRACE_S, f"exited {seconds:.0f} s after SIGTERM, grace {GRACE_S} s"
+    done = len(stopped.metrics())
+    tag = f"step-{done:08d}"
+    assert (stopped.output_dir / "checkpoints" / "latest").read_text().strip() == tag
+    assert f"stopped by SIGTERM during step {done + 1}: checkpoint {stopped.output_dir / 'checkpoints' / tag}" \
+        in stopped.log, stopped.tails()
+    assert "resume with the same command" in stopped.log
+
+    total = done + 3
+    resumed = train("B", *COMMON, f"training.max_steps={total}", "training.checkpoint_every=1000").check()
+    assert f"resumed from {stopped.output_dir / 'checkpoints' / tag} at step {done}" in resumed.log
+    straight = train("A", *COMMON, f"training.max_steps={total}", "training.checkpoint_every=1000").check()
+    assert [r["step"] for r in resumed.metrics()] == list(range(1, total + 1))
+    assert resumed.losses() == straight.losses(), (straight.losses(), resumed.losses())
+
+
+def scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_a_nan_step_is_skipped_on_every_rank_and_metrics_read_back(train):
+    import math
+
+    result = train("nan", *COMMON, "training.max_steps=5", "training.checkpoint_every=1000",
+                   "faults.inject_nan_at=[3]").check()
+    records = result.metrics()
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["skipped"] for r in records] == [False, False, True, False, False]
+    assert math.isnan(records[2]["loss"]), "the NaN loss must be reported as NaN, not replaced"
+    assert records[2]["grad_norm"] is None or not math.isfinite(records[2]["grad_norm"])
+    assert [r["skipped_total"] for r in records] == [0, 0, 1, 1, 1]
+    assert all(math.isfinite(r["loss"]) for r in records if not r["skipped"])
+    assert "SKIPPED (non-finite loss or gradients; 1 so far)" in result.log
+
+    for record in records:  # every scalar the monitor writes is in the JSONL
+        for key in ("epoch", "images", "loss_smoothed", "lr", "grad_norm", "images_per_second", "step_seconds",
+                    "data_seconds", "forward_backward_seconds", "optimizer_seconds", "peak_allocated_bytes",
+                    "peak_reserved_bytes", "mfu"):
+            assert key in record, key
+        assert record["step_seconds"] >= record["forward_backward_seconds"] > 0
+    logged = scalars(result.output_dir)
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "perf/images_per_second",
+                "perf/step_seconds", "perf/data_seconds", "perf/forward_backward_seconds", "perf/optimizer_seconds"):
+        assert tag in logged, f"{tag} not in TensorBoard events: {sorted(logged)}"
+    assert [step for step, _ in logged["train/lr"]] == [1, 2, 3, 4, 5]
+    assert logged["train/skipped_steps"][-1][1] == 1
+    assert "memory/peak_allocated_gib" not in logged and "perf/mfu" not in logged  # no GPU here
+    memory = json.loads((result.output_dir / "memory.json").read_text())
+    assert memory["step"] == 3 and len(memory["measured"]) == WORLD and memory["predicted"]["allocated"] > 0
+    assert "memory after step 3: planner predicted" in result.log
+
+
+def test_consecutive_nan_steps_stop_with_a_checkpoint(train):
+    result = train("nans", *COMMON, "training.max_steps=10", "training.checkpoint_every=1000",
+                   "faults.inject_nan_at=[2,3,4]", "faults.max_bad_steps=3")
+    assert result.returncodes == [2] * WORLD, result.tails()
+    checkpoints = result.output_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step-00000004"
+    assert f"3 consecutive steps (up to step 4) had a non-finite loss or gradient norm and were skipped; " \
+           f"stopped with {checkpoints / 'step-00000004'}" in result.log, result.tails()
+    assert "Traceback" not in result.log
+    resumed = train("nans", *COMMON, "training.max_steps=6", "training.checkpoint_every=1000").check()
+    assert "at step 4" in resumed.log and [r["step"] for r in resumed.metrics()][-2:] == [5, 6]
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_one(train):
+    result = train("disk", *COMMON, "training.max_steps=6", "training.checkpoint_every=2",
+                   "faults.inject_save_failure_at=[4]")
+    assert result.returncodes == [2] * WORLD, result.tails()
+    checkpoints = result.output_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step-00000002"
+    assert not (checkpoints / "step-00000004").exists(), "the partial checkpoint must be removed"
+    assert f"checkpoint {checkpoints / 'step-00000004'} could not be written (No space left on device" in result.log
+    assert f"{checkpoints / 'step-00000002'} is still the latest checkpoint" in result.log
+    assert "Traceback" not in result.log
+    resumed = train("disk", *COMMON, "training.max_steps=6", "training.checkpoint_every=2").check()
+    assert f"resumed from {checkpoints / 'step-00000002'} at step 2" in resumed.log
+    assert (checkpoints / "latest").read_text().strip() == "step-00000006"
