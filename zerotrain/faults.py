@@ -64,7 +64,7 @@ def oom_advice(plan: Any, used: Any, headroom: float) -> str:
     from zerotrain.planner.search import describe, gib
 
     gpu_bytes = plan.gpu_budget_bytes / (1 - headroom)
-    new_headroom = math.ceil((1 - (used.memory.device_total - 1) / gpu_bytes) * 100 + 1) / 100
+    new_headroom = math.ceil((1 - (used.memory.device_total - 1) / gpu_bytes) * 10_000) / 10_000
     if new_headroom >= 0.9:
         return "no configuration with less memory is left: use more GPUs, LoRA, or a quantized base"
     budget = gpu_bytes * (1 - new_headroom)
@@ -73,5 +73,5 @@ def oom_advice(plan: Any, used: Any, headroom: float) -> str:
     if not fitting:
         return "no configuration with less memory is left: use more GPUs, LoRA, or a quantized base"
     best = max(fitting, key=lambda c: (c.images_per_second, -c.memory.device_total))
-    return (f"--set planner.headroom={new_headroom:.2f} makes the planner choose {describe(best.layout)} "
+    return (f"--set planner.headroom={new_headroom:.4f} makes the planner choose {describe(best.layout)} "
             f"(predicted {gib(best.memory.device_total)} per GPU)")
