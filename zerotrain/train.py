@@ -181,7 +181,13 @@ def train(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         state = load(engine, checkpoint, topo, generators, universal)
         step = state["step"]
-        sampler.load_state_dict(state["sampler"])
+        try:
+            sampler.load_state_dict(state["sampler"])
+        except ValueError as err:  # the data (or global batch) changed since the checkpoint
+            sampler.set_epoch(int(state["sampler"]["epoch"]))
+            if topo.is_main:
+                print(f"zerotrain: warning: {err}; epoch {state['sampler']['epoch']} starts over with the current "
+                      "data", file=sys.stderr, flush=True)
         if topo.is_main:
             print(f"resumed from {checkpoint} at step {step}", flush=True)
     sampler.set_epoch(sampler.state_dict()["epoch"])

@@ -150,3 +150,23 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(train):
     resumed = train("disk", *COMMON, "training.max_steps=6", "training.checkpoint_every=2").check()
     assert f"resumed from {checkpoints / 'step-00000002'} at step 2" in resumed.log
     assert (checkpoints / "latest").read_text().strip() == "step-00000006"
+
+
+def test_data_changed_between_runs_restarts_the_epoch(train, tmp_path):
+    """Training reads the cache, so a dataset file that disappears or changes during a run changes
+    nothing until the next start. There, the cache is checked again (data policy), and the
+    sampling order, which no longer matches, restarts the interrupted epoch with a warning."""
+    import shutil
+
+    from tests.distributed.conftest import TINY_DATA
+
+    data = tmp_path / "data"
+    shutil.copytree(TINY_DATA, data)
+    dataset = f"data.datasets=[{{path: '{data}', repeats: 1}}]"
+    first = train("data", *COMMON, dataset, "training.max_steps=3", "training.checkpoint_every=1000").check()
+    assert [r["epoch"] for r in first.metrics()] == [0, 0, 0]
+    removed = sorted(p for p in data.iterdir() if p.suffix in (".png", ".jpg", ".jpeg", ".webp"))[0]
+    removed.unlink()
+    resumed = train("data", *COMMON, dataset, "training.max_steps=5", "training.checkpoint_every=1000").check()
+    assert "cannot resume the sampling order exactly" in resumed.log and "epoch 0 starts over" in resumed.log
+    assert "resumed from" in resumed.log and [r["step"] for r in resumed.metrics()] == [1, 2, 3, 4, 5]
