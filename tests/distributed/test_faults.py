@@ -165,7 +165,7 @@ def test_data_changed_between_runs_restarts_the_epoch(train, tmp_path):
     dataset = f"data.datasets=[{{path: '{data}', repeats: 1}}]"
     first = train("data", *COMMON, dataset, "training.max_steps=3", "training.checkpoint_every=1000").check()
     assert [r["epoch"] for r in first.metrics()] == [0, 0, 0]
-    removed = sorted(p for p in data.iterdir() if p.suffix in (".png", ".jpg", ".jpeg", ".webp"))[0]
+    removed = min(p for p in data.iterdir() if p.suffix in (".png", ".jpg", ".jpeg", ".webp"))
     removed.unlink()
     resumed = train("data", *COMMON, dataset, "training.max_steps=5", "training.checkpoint_every=1000").check()
     assert "cannot resume the sampling order exactly" in resumed.log and "epoch 0 starts over" in resumed.log
