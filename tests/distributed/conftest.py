@@ -145,7 +145,8 @@ def shared_cache(tmp_path_factory) -> Path:
 
 class Trainer:
     """train(name, *overrides) runs examples/tiny-cpu.yaml on two ranks with output_dir
-    tmp_path/name, the shared cache, and the bundled images once each per epoch (8 samples);
+    tmp_path/name, the shared cache, the bundled images once each per epoch (8 samples), and
+    ZeRO-3 partitioning every parameter;
     later overrides win; world= sets the number of ranks. Returns a TrainResult (not checked: call
     .check())."""
 
@@ -154,8 +155,11 @@ class Trainer:
 
     def __init__(self, cache: Path, tmp_path: Path):
         self.tmp_path = tmp_path
+        # Every tiny parameter is below ZeRO-3's default persistence threshold (100k elements), which
+        # would keep them all whole on every rank: with 0, ZeRO-3 runs partition and gather for real.
         self.base = [f"data.cache_dir={cache}", f"planner.cache_dir={cache / 'facts'}",
-                     f"data.datasets=[{{path: '{TINY_DATA}', repeats: 1}}]"]
+                     f"data.datasets=[{{path: '{TINY_DATA}', repeats: 1}}]",
+                     "planner.stage3_param_persistence_threshold=0"]
         self.calls = 0
 
     def run_config(self, *overrides: str):

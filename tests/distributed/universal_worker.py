@@ -29,12 +29,12 @@ def main() -> int:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    from tests.distributed.worker_steps import random_step
     from zerotrain.checkpoint import find, load, make_universal, needs_universal, save
     from zerotrain.config import load_config
     from zerotrain.distributed import topology
     from zerotrain.engine import apply_mode, build_engine, load_denoiser
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.models.families import example_inputs
     from zerotrain.planner.deepspeed_json import deepspeed_config
     from zerotrain.planner.memory import Layout
 
@@ -42,6 +42,7 @@ def main() -> int:
     topo = topology()
     run = load_config(CONFIG, [f"output_dir={run_dir}", "training.mode=full",
                                f"training.global_batch_size={GLOBAL_BATCH}",
+                               "planner.stage3_param_persistence_threshold=0",
                                f"data.datasets=[{{path: '{EXAMPLES / 'tiny-data'}'}}]"])
     spec = resolve_model(run.model)
     torch.manual_seed(0)
@@ -56,12 +57,7 @@ def main() -> int:
     engine = build_engine(model, ds_config, run, torch.device("cpu"))
 
     if mode == "save":
-        torch.manual_seed(1 + topo.rank)
-        for _ in range(layout.accumulation):
-            inputs = example_inputs(spec, 1, 64, 64, 8, "cpu", torch.bfloat16)
-            prediction = engine(**inputs, return_dict=False)[0]
-            engine.backward(prediction.float().pow(2).mean())
-            engine.step()
+        random_step(engine, spec, layout.accumulation, seed=1 + topo.rank)
         save(engine, run_dir, 1, topo, {"step": 1}, {}, keep=3)
     else:
         load(engine, checkpoint, topo, {}, universal)

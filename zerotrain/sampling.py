@@ -1,0 +1,319 @@
+"""Validation images: the model being trained renders the configured prompts through its family's
+own diffusers pipeline (FluxPipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline), so the
+images are what a user of the exported weights would get with the same settings.
+
+What stays in memory during training is only what the images need and training does not: the text
+embeddings of the prompts (and of the negative prompt when classifier-free guidance runs), computed
+once at construction with the pipeline's own encode_prompt (models.conditioning) and kept on the host,
+and the scheduler. The text encoders are freed right after encoding, and the VAE is loaded for each
+render and freed after it, so training's memory is the same with validation as without.
+
+Every rank renders, and under ZeRO-3 it must: the denoiser's parameters are partitioned, and
+DeepSpeed's forward hooks gather each module's parameters from all ranks when it runs. A rank that
+made fewer denoiser forwards than the others would leave them waiting in an all-gather (NCCL hangs;
+gloo fails on the mismatched collectives). So
+the jobs (prompts x seeds, one image each) are dealt round-robin and every rank renders the same
+number of images: a rank short of real jobs renders a padding job (job 0) and throws the image
+away. One image per pipeline call and one pipeline call per job keep the forwards identical on every
+rank, whatever the prompt. The pipeline is built around the model in place and never moved
+(`pipeline.to` would move a partitioned model); the prompt embeddings go to the training device
+instead. The images travel to rank 0 as PNG bytes, and rank 0 writes them with a grid.
+
+Each image's noise comes from a CPU generator seeded with its seed (the pipelines draw the initial
+latents on the CPU and move them), so a seed gives the same image on any rank, world size or device
+type, and the global RNG that training draws from is left untouched (nothing else is random in
+eval mode).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotrain.config.sections import RunConfig, ValidationConfig
+from zerotrain.distributed import Topology, gather_objects
+from zerotrain.errors import ZerotrainError
+from zerotrain.models.catalog import ModelSpec
+from zerotrain.models.conditioning import PIPELINES, TEXT_COMPONENTS
+from zerotrain.models.families import DEFAULT_TEXT_TOKENS, DENOISER_FOLDER, pixel_factor
+
+# Guidance when validation.guidance_scale is not given: the default guidance_scale of each family's
+# pipeline __call__ (diffusers 0.42): FluxPipeline 3.5 (distilled guidance), StableDiffusion3Pipeline
+# 7.0 and StableDiffusionXLPipeline 5.0 (classifier-free guidance).
+DEFAULT_GUIDANCE = {"flux": 3.5, "sd3": 7.0, "unet": 5.0}
+# Families whose guidance is classifier-free (a negative prompt, two predictions per step).
+_CFG_FAMILIES = ("sd3", "unet")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One validation image: a prompt rendered from one seed."""
+
+    index: int
+    """Position in prompts x seeds (prompt-major); names the file."""
+    prompt_index: int
+    prompt: str
+    seed: int
+
+
+def make_jobs(prompts: list[str], seeds: list[int]) -> list[Job]:
+    """Every prompt with every seed, prompt-major."""
+    pairs = [(p, seed) for p in range(len(prompts)) for seed in seeds]
+    return [Job(i, p, prompts[p], seed) for i, (p, seed) in enumerate(pairs)]
+
+
+def assign_jobs(n_jobs: int, world: int) -> list[list[int | None]]:
+    """Job indices per rank, round-robin, each list as long as the longest: ceil(n_jobs / world)
+    renders for every rank, None marking a padding render (its image is discarded). With no jobs
+    nothing renders anywhere."""
+    if n_jobs < 0 or world < 1:
+        raise ValueError(f"assign_jobs: need n_jobs >= 0 and world >= 1, got {n_jobs}, {world}")
+    rounds = math.ceil(n_jobs / world)
+    return [[i if i < n_jobs else None for i in range(rank, rounds * world, world)] for rank in range(world)]
+
+
+def is_due(config: ValidationConfig, step: int, last_step: int, resumed: bool) -> bool:
+    """Whether validation images are due after `step` optimizer steps of a run that ends at
+    `last_step`: at step 0 of a fresh run (at_start; a run resumed from a checkpoint never starts
+    at 0), every `config.every` steps, and at the last step (at_end). Never without prompts.
+    The starting step of a resumed run counts like any other step: if it is due, it was due
+    for the run that saved the checkpoint too, and rendering it again gives the same images."""
+    if not config.prompts or not config.seeds:
+        return False
+    if step == 0:
+        return config.at_start and not resumed
+    every = config.every
+    return bool(every and step % every == 0) or (config.at_end and step == last_step)
+
+
+def grid_shape(n: int) -> tuple[int, int]:
+    """(rows, columns) of the grid of n images: ceil(sqrt(n)) columns, as many rows as needed."""
+    columns = max(1, math.ceil(math.sqrt(n)))
+    return math.ceil(n / columns), columns
+
+
+class Validator:
+    """Renders run.validation's prompts with the model being trained. Construct it on every rank
+    before the denoiser is loaded (the text encoders are loaded, used and freed here, so their
+    memory is back before training needs it); call due() at step 0 and after every optimizer step,
+    and render() on every rank when it says so."""
+
+    def __init__(self, spec: ModelSpec, folder: Path, run: RunConfig, topo: Topology, device: torch.device):
+        """spec: the resolved model; folder: the local diffusers model folder with vae/, the
+        tokenizers, the text encoders and scheduler/ (data.cache.model_folder)."""
+        from zerotrain.data.cache import encode_dtype
+
+        self.spec, self.folder, self.topo, self.device = spec, Path(folder), topo, torch.device(device)
+        self.config = run.validation
+        self.resolution = self.config.resolution or run.data.resolution
+        factor = pixel_factor(spec)
+        if self.resolution % factor:
+            field = "validation.resolution" if self.config.resolution else "data.resolution"
+            raise ZerotrainError(f"{field}={self.resolution}: validation images of {spec.name} need a "
+                                 f"multiple of {factor} (VAE x{spec.vae_scale_factor} times the denoiser's "
+                                 "patching)")
+        guidance = self.config.guidance_scale
+        self.guidance_scale = DEFAULT_GUIDANCE[spec.family] if guidance is None else guidance
+        # The pipelines run classifier-free guidance only above 1 (do_classifier_free_guidance).
+        self.cfg = spec.family in _CFG_FAMILIES and self.guidance_scale > 1
+        self.jobs = make_jobs(self.config.prompts, self.config.seeds)
+        self.prompt_embeds: list[dict[str, torch.Tensor]] = []
+        self.negative_embeds: dict[str, torch.Tensor] = {}
+        if self.jobs:
+            self._encode(run.data.text_tokens or DEFAULT_TEXT_TOKENS[spec.family], encode_dtype(self.device))
+            self.scheduler = _load_scheduler(self.folder)
+
+    def _encode(self, text_tokens: int, dtype: torch.dtype) -> None:
+        """Text embeddings of every prompt (one at a time, as the pipeline encodes a batch of one)
+        and of the negative prompt, on the host; the encoders are freed afterwards."""
+        from zerotrain.models.conditioning import encode_prompts, free, load_encoders
+
+        encoders = load_encoders(self.spec, self.folder, self.device, dtype)
+        try:
+            for prompt in self.config.prompts:
+                self.prompt_embeds.append(_to_host(encode_prompts(encoders, [prompt], text_tokens)))
+            if self.cfg:
+                negative = _to_host(encode_prompts(encoders, [self.config.negative_prompt], text_tokens))
+                empty = not self.config.negative_prompt
+                if self.spec.family == "unet" and empty and _zeros_for_empty(self.folder):
+                    # StableDiffusionXLPipeline's default without a negative prompt
+                    # (force_zeros_for_empty_prompt in model_index.json): zeros, not the encoded "".
+                    negative = {name: torch.zeros_like(value) for name, value in negative.items()}
+                self.negative_embeds = negative
+        finally:
+            free(encoders)
+
+    def due(self, step: int, last_step: int, resumed: bool) -> bool:
+        """Whether to render after `step` optimizer steps of a run that ends at `last_step`
+        (see is_due); `resumed`: the run continues from a checkpoint."""
+        return is_due(self.config, step, last_step, resumed)
+
+    def render(self, model: torch.nn.Module, step: int, out_dir: Path, writer: Any = None) -> list[Path]:
+        """Render every job with `model` (the diffusers denoiser the engine trains). Called by every
+        rank with the same arguments; each makes the same denoiser forwards. Rank 0 writes
+        out_dir/validation/step-<step>/NN-seedS.png and grid.png, logs them to `writer` (a
+        TensorBoard SummaryWriter) when given, and returns the paths; other ranks return []."""
+        if not self.jobs:
+            return []
+        mine = assign_jobs(len(self.jobs), self.topo.world_size)[self.topo.rank]
+        rendered: list[tuple[int, bytes]] = []
+        was_training = model.training
+        pipeline = self._pipeline(model)
+        try:
+            model.eval()
+            with torch.no_grad():
+                for index in mine:
+                    job = self.jobs[0 if index is None else index]
+                    image = self._image(pipeline, job, model.dtype)
+                    if index is not None:
+                        rendered.append((index, self._png(image, job, step)))
+        finally:
+            model.train(was_training)
+            del pipeline
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        gathered = gather_objects(rendered)
+        if not self.topo.is_main:
+            return []
+        pngs = dict(sorted(item for part in gathered for item in part))
+        if sorted(pngs) != list(range(len(self.jobs))):
+            raise AssertionError(f"validation: expected images 0..{len(self.jobs) - 1}, got {sorted(pngs)}")
+        return self._write(pngs, step, Path(out_dir), writer)
+
+    def _pipeline(self, model: torch.nn.Module) -> Any:
+        """The family's pipeline around `model` as it is (not moved), a freshly loaded VAE in the
+        model's dtype on the device, the scheduler, and no text encoders or tokenizers."""
+        import diffusers
+
+        vae = diffusers.AutoencoderKL.from_pretrained(self.folder, subfolder="vae", torch_dtype=model.dtype)
+        vae.to(self.device).requires_grad_(False).eval()
+        components: dict[str, Any] = {"vae": vae, "scheduler": self.scheduler,
+                                      DENOISER_FOLDER[self.spec.family]: model}
+        for tokenizer, encoder in TEXT_COMPONENTS[self.spec.family]:
+            components[tokenizer] = components[encoder] = None
+        if self.spec.family == "unet":
+            components["add_watermarker"] = False  # validation images stay as the model made them
+        pipeline = getattr(diffusers, PIPELINES[self.spec.family])(**components)
+        pipeline.set_progress_bar_config(disable=True)
+        return pipeline
+
+    def _image(self, pipeline: Any, job: Job, dtype: torch.dtype) -> Any:
+        """One PIL image of one job. The embeddings are given on the training device: the pipelines
+        move neither prompt_embeds (Flux) nor the model."""
+        def place(embeds: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+            return {prefix + name: value.to(self.device, dtype) for name, value in embeds.items()}
+
+        kwargs = place(self.prompt_embeds[job.prompt_index])
+        if self.cfg:
+            kwargs.update(place(self.negative_embeds, "negative_"))
+        out = pipeline(**kwargs, height=self.resolution, width=self.resolution,
+                       num_inference_steps=self.config.steps, guidance_scale=self.guidance_scale,
+                       generator=torch.Generator(device="cpu").manual_seed(job.seed), output_type="pil")
+        return out.images[0]
+
+    def _metadata(self, step: int) -> dict[str, str]:
+        meta = {"step": str(step), "steps": str(self.config.steps),
+                "guidance_scale": str(self.guidance_scale), "model": self.spec.name}
+        if self.cfg:
+            meta["negative_prompt"] = self.config.negative_prompt
+        return meta
+
+    def _png(self, image: Any, job: Job, step: int) -> bytes:
+        return _png_bytes(image, {"prompt": job.prompt, "seed": str(job.seed), **self._metadata(step)})
+
+    def _write(self, pngs: dict[int, bytes], step: int, out_dir: Path, writer: Any) -> list[Path]:
+        """Rank 0: the images and their grid, written atomically, and logged to TensorBoard."""
+        import numpy as np
+        from PIL import Image
+
+        folder = out_dir / "validation" / f"step-{step:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        paths, arrays = [], []
+        for job in self.jobs:
+            path = folder / f"{job.index:02d}-seed{job.seed}.png"
+            _write_atomic(path, pngs[job.index])
+            paths.append(path)
+            with Image.open(io.BytesIO(pngs[job.index])) as image:
+                arrays.append(np.asarray(image.convert("RGB")))
+        grid = make_grid(arrays)
+        meta = {"prompts": json.dumps(self.config.prompts), "seeds": json.dumps(self.config.seeds),
+                **self._metadata(step)}
+        paths.append(folder / "grid.png")
+        _write_atomic(paths[-1], _png_bytes(Image.fromarray(grid), meta))
+        if writer is not None:
+            writer.add_image("validation/grid", grid, step, dataformats="HWC")
+            for job, array in zip(self.jobs, arrays, strict=True):
+                writer.add_image(f"validation/{job.index:02d}", array, step, dataformats="HWC")
+        print(f"validation: {len(self.jobs)} images at step {step} -> {folder}", flush=True)
+        return paths
+
+
+def make_grid(images: list[Any]) -> Any:
+    """HWC uint8 arrays of one size side by side, row-major, ceil(sqrt(n)) columns; the cells
+    after the last image stay black."""
+    import numpy as np
+
+    rows, columns = grid_shape(len(images))
+    height, width, channels = images[0].shape
+    grid = np.zeros((rows * height, columns * width, channels), dtype=np.uint8)
+    for i, image in enumerate(images):
+        if image.shape != (height, width, channels):
+            raise ValueError(f"make_grid: image {i} is {image.shape}, "
+                             f"the first is {(height, width, channels)}")
+        row, column = divmod(i, columns)
+        grid[row * height:(row + 1) * height, column * width:(column + 1) * width] = image
+    return grid
+
+
+def _load_scheduler(folder: Path) -> Any:
+    """The scheduler the model folder names in scheduler/scheduler_config.json (FlowMatchEuler-
+    DiscreteScheduler for Flux and SD3, EulerDiscreteScheduler for SDXL's published repo)."""
+    import diffusers
+
+    config = folder / "scheduler" / "scheduler_config.json"
+    try:
+        name = json.loads(config.read_text())["_class_name"]
+        return getattr(diffusers, name).from_pretrained(folder, subfolder="scheduler")
+    except (OSError, KeyError, ValueError, AttributeError) as err:
+        raise ZerotrainError(f"validation: cannot load the scheduler from {config} "
+                             f"({' '.join(str(err).split())[:300]})") from err
+
+
+def _zeros_for_empty(folder: Path) -> bool:
+    """StableDiffusionXLPipeline's force_zeros_for_empty_prompt (model_index.json; True by default)."""
+    try:
+        index = json.loads((folder / "model_index.json").read_text())
+        return bool(index.get("force_zeros_for_empty_prompt", True))
+    except (OSError, ValueError):
+        return True
+
+
+def _to_host(embeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.detach().cpu() for name, value in embeds.items()}
+
+
+def _png_bytes(image: Any, text: dict[str, str]) -> bytes:
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in text.items():
+        info.add_text(key, value)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary sibling, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
