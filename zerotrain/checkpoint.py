@@ -22,6 +22,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +65,17 @@ def layout(engine: Any) -> dict[str, int]:
 
 
 def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str, Any],
-         generators: dict[str, torch.Generator], keep: int, inject_failure: bool = False) -> Path:
+         generators: dict[str, torch.Generator], keep: int, inject_failure: bool = False,
+         extra: Callable[[Path], Any] | None = None) -> Path:
     """Every rank calls this. Returns the checkpoint folder.
 
     Nothing half-written is ever taken for a checkpoint: the ranks agree that every file was
     written before rank 0 moves `latest`. If any rank fails (a full disk, an I/O error), the
     partial folder is removed, `latest` keeps naming the previous checkpoint, and every rank
     raises one ZerotrainError. inject_failure (faults.inject_save_failure_at, for tests) makes
-    rank 0 fail after DeepSpeed has written its files, as a disk filling up mid-save would."""
+    rank 0 fail after DeepSpeed has written its files, as a disk filling up mid-save would.
+    extra(folder) writes this rank's further files (the EMA) into the checkpoint, inside the same
+    agreement."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -95,6 +99,8 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
                 raise OSError(errno.ENOSPC, "No space left on device (injected by faults.inject_save_failure_at)",
                               str(folder / f"rng-{topo.rank}.pt"))
             torch.save(rng_state(generators), folder / f"rng-{topo.rank}.pt")
+            if extra is not None:
+                extra(folder)
             if topo.is_main:
                 _write_atomic(folder / STATE, json.dumps({**state, **layout(engine)}, indent=1, default=str))
         except OSError as err:

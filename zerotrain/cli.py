@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", type=Path, help="the training run folder (output_dir)")
     e.add_argument("--tag", help="checkpoint tag (default: the latest)")
     e.add_argument("--out", type=Path, help="output folder (default: RUN/export)")
+    e.add_argument("--ema", action="store_true", help="export the EMA of the weights (runs with ema.enabled)")
     e.add_argument("--comfyui", action="store_true", help="also write a ComfyUI-style LoRA / model file")
     return parser
 
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_export(args: argparse.Namespace) -> int:
     from zerotrain.export import export
 
-    print(f"exported to {export(args.run_dir, tag=args.tag, out=args.out, comfyui=args.comfyui)}")
+    print(f"exported to {export(args.run_dir, tag=args.tag, out=args.out, comfyui=args.comfyui, ema=args.ema)}")
     return 0
 
 

@@ -81,9 +81,11 @@ def latest_tag(run_dir: Path) -> str:
     return tag
 
 
-def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfyui: bool = False) -> Path:
+def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfyui: bool = False,
+           ema: bool = False) -> Path:
     """Write the weights of checkpoint `tag` (default: the latest) of `run_dir` into `out` (default
-    RUN/export) and return `out`. See the module docstring for the layout."""
+    RUN/export) and return `out`. See the module docstring for the layout. ema: the EMA of the
+    trained weights (ema.enabled runs) instead of the trained weights themselves."""
     run_dir = Path(run_dir)
     run = _load_run(run_dir)
     spec = resolve_model(run.model)
@@ -93,6 +95,8 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
     meta = _meta_model(spec, run)
     expected = {name: tuple(t.shape) for name, t in meta.state_dict().items() if not lora or "lora_" in name}
     weights, source = read_checkpoint(run_dir / CHECKPOINTS, tag, expected, lora)
+    if ema:
+        weights, source = _with_ema(weights, checkpoint), f"EMA of the trained weights (zerotrain ema-*.pt in {tag})"
     out = Path(out) if out is not None else run_dir / EXPORT
     out.mkdir(parents=True, exist_ok=True)
     name = f"{run_dir.resolve().name}-{tag}"
@@ -115,6 +119,7 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
         "parameters": sum(t.numel() for t in weights.values()),
         "files": [str(path.relative_to(out)) for path in files],
         "step": state.get("step"),
+        "ema": ema,
     }
     if lora:
         settings = run.training.lora
@@ -124,6 +129,25 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
 
 
 # --- reading ---------------------------------------------------------------------------------------
+
+
+def _with_ema(weights: dict[str, torch.Tensor], checkpoint: Path) -> dict[str, torch.Tensor]:
+    """`weights` with every trained tensor replaced by its EMA (in bf16, like the rest)."""
+    from zerotrain.ema import ema_state_dict
+
+    if not any(checkpoint.glob("ema-*.pt")):
+        raise ZerotrainError(f"{checkpoint}: holds no EMA (ema-*.pt); it was saved without ema.enabled, "
+                             "export the trained weights instead (without --ema)")
+    averaged = {strip_prefixes(name): tensor for name, tensor in ema_state_dict(checkpoint).items()}
+    foreign = sorted(set(averaged) - set(weights))
+    if foreign:
+        raise ZerotrainError(f"{checkpoint}: the EMA holds {foreign[0]}, which the model does not have")
+    for name, tensor in averaged.items():
+        if tuple(tensor.shape) != tuple(weights[name].shape):
+            raise ZerotrainError(f"{checkpoint}: EMA {name} has shape {tuple(tensor.shape)}, the model "
+                                 f"{tuple(weights[name].shape)}")
+    return {name: averaged[name].to(torch.bfloat16).contiguous() if name in averaged else tensor
+            for name, tensor in weights.items()}
 
 
 def read_checkpoint(

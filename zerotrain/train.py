@@ -13,6 +13,7 @@ Reads top to bottom: parse, validate, plan, data, model, loop, checkpoint, expor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -125,12 +126,14 @@ def train(args: argparse.Namespace) -> int:
 
     from zerotrain.data.cache import model_folder
     from zerotrain.data.prepare import make_loader, prepare
-    from zerotrain.engine import apply_mode, build_engine, load_denoiser
+    from zerotrain.ema import ShardedEMA
+    from zerotrain.engine import apply_mode, build_engine, denoiser, load_denoiser
     from zerotrain.export import export
     from zerotrain.models.catalog import resolve_model
     from zerotrain.models.families import check_resolution
     from zerotrain.objectives import make_objective
     from zerotrain.planner.search import describe, gib
+    from zerotrain.sampling import Validator
 
     # Parse and validate everything before any model loads.
     run = load_config(args.config, args.overrides)
@@ -166,6 +169,9 @@ def train(args: argparse.Namespace) -> int:
         universal = make_universal(checkpoint, topo)
         ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
+    # Validation prompts are encoded now, before the model loads (the text encoders are freed again).
+    validator = Validator(spec, folder, run, topo, device) if run.validation.prompts else None
+
     # Model and engine.
     scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
@@ -177,9 +183,15 @@ def train(args: argparse.Namespace) -> int:
     engine = build_engine(model, ds_config, run, device)
     generator = torch.Generator().manual_seed(run.training.seed * 100_003 + topo.rank)
     generators = {"objective": generator}
+    ema = ShardedEMA(engine, run.ema.decay, run.ema.start_step) if run.ema.enabled else None
     step = 0
     if checkpoint is not None:
         state = load(engine, checkpoint, topo, generators, universal)
+        if ema is not None and any(checkpoint.glob("ema-*.pt")):
+            ema.load(checkpoint)
+        elif ema is not None and topo.is_main:
+            print(f"zerotrain: warning: {checkpoint} holds no EMA (ema was not enabled when it was saved); "
+                  "the EMA starts from the resumed weights", file=sys.stderr, flush=True)
         step = state["step"]
         try:
             sampler.load_state_dict(state["sampler"])
@@ -205,11 +217,23 @@ def train(args: argparse.Namespace) -> int:
     def checkpoint_now(at: int) -> Path:
         state = {"step": at, "sampler": sampler.state_dict(), "images": at * images_per_step}
         return save(engine, run.output_dir, at, topo, state, generators, run.training.keep_checkpoints,
-                    inject_failure=at in faults.inject_save_failure_at)
+                    inject_failure=at in faults.inject_save_failure_at,
+                    extra=None if ema is None else lambda folder: ema.save(folder, topo.rank))
+
+    def validate(at: int) -> None:
+        """Every rank renders its share of the validation images (with the EMA weights if asked)."""
+        if validator is None or not validator.due(at, run.training.max_steps, resumed=checkpoint is not None):
+            return
+        with ema.applied() if run.validation.use_ema else contextlib.nullcontext():
+            paths = validator.render(denoiser(engine), at, run.output_dir, monitor.writer)
+        if paths:
+            monitor.log(f"validation images of step {at}: {paths[-1].parent}")
 
     # The loop: one iteration is one optimizer step of `accumulation` micro-batches.
     bad_in_a_row = 0
     try:
+        if step == 0:
+            validate(0)
         while step < run.training.max_steps:
             at_start = rng_state(generators)  # to checkpoint this boundary if the step is abandoned
             times = StepTimes()
@@ -261,6 +285,8 @@ def train(args: argparse.Namespace) -> int:
             monitor.step(step, sampler.state_dict()["epoch"], mean_loss.item(), engine.get_lr()[0],
                          grad_norm, times, skipped)
             monitor.memory_check(step)
+            if ema is not None and not skipped:
+                ema.update(step)
             bad_in_a_row = bad_in_a_row + 1 if skipped else 0
             if bad_in_a_row >= faults.max_bad_steps:
                 saved = checkpoint_now(step)
@@ -270,6 +296,7 @@ def train(args: argparse.Namespace) -> int:
                     "optimizer.lr or check the data, then resume (training.resume: auto)")
             if step % run.training.checkpoint_every == 0 or step == run.training.max_steps:
                 checkpoint_now(step)
+            validate(step)
     except torch.OutOfMemoryError as err:
         measured = measured_peaks(device)
         raise ZerotrainError(
@@ -286,7 +313,7 @@ def train(args: argparse.Namespace) -> int:
     # finished writing (save() ends with a barrier). The other ranks are done: no collective
     # follows, so a long export (a large ZeRO-3 model) cannot run into a process-group timeout.
     if topo.is_main:
-        print(f"exported to {export(run.output_dir)}", flush=True)
+        print(f"exported to {export(run.output_dir, ema=run.ema.export)}", flush=True)
     return 0
 
 

@@ -6,8 +6,12 @@ Cases (global batch 2, micro 1 per rank, 64 px buckets, constant LR, no warmup):
     flux full ZeRO-2, ZeRO-3, ZeRO-3 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)
     flux LoRA (rank 4) ZeRO-2, ZeRO-3
     flux LoRA (rank 4) over a qint8-quantized base (optimum-quanto), ZeRO-2, ZeRO-3
-    sdxl full ZeRO-2
+    sdxl full ZeRO-2, sdxl LoRA ZeRO-3
     sd3 LoRA (rank 4) ZeRO-2
+
+Every case also renders validation images through the family's diffusers pipeline with the model
+being trained (3 prompts on 2 ranks, so one rank pads; at steps 0, 6 and 12), checked by
+check_validation_images.
 
 The planner never chooses an offload it does not need (planner.offload lists what it may use,
 and "none" is always a candidate), so the offload case passes a DeepSpeed JSON of its own through
@@ -16,7 +20,7 @@ and "none" is always a candidate), so the offload case passes a DeepSpeed JSON o
 "The loss goes down" is the mean of the last 3 step losses below the mean of the first 3 by a
 margin (5%; 3% for SD3). A step's loss is the mean over 2 images of a random timestep and noise
 each, so single steps are noisy. Measured over 12 steps (16 for SD3): flux full -24%, flux LoRA
--13%, sdxl full -68%, sd3 LoRA -6%; each case prints its losses (pytest -s), and a failure names them.
+-13%, sdxl full -68%, sdxl LoRA -9% (at 5e-2), sd3 LoRA -6%; each case prints its losses (pytest -s), and a failure names them.
 The noise and timesteps are seeded, but LoRA runs vary slightly from run to run (~1e-3 in the
 loss): peft initialises lora_A from torch's global generator, which zerotrain does not seed.
 """
@@ -32,6 +36,8 @@ import yaml
 pytestmark = pytest.mark.distributed
 
 WINDOW = 3
+PROMPTS = ["a red square", "a blue circle", "a green square"]  # 3 images on 2 ranks: one pads
+VALIDATE_EVERY = 6
 RUN_FILES = ("config.yaml", "plan.json", "deepspeed.json", "checkpoints/latest", "metrics.jsonl", "export")
 
 
@@ -50,7 +56,9 @@ class Case:
 
     def overrides(self) -> list[str]:
         out = [f"model.name_or_path={self.model}", f"training.mode={self.mode}", f"training.max_steps={self.steps}",
-               f"planner.stages=[{self.stage}]", "planner.offload=[none]", f"optimizer.lr={self.lr}"]
+               f"planner.stages=[{self.stage}]", "planner.offload=[none]", f"optimizer.lr={self.lr}",
+               f"validation.prompts={json.dumps(PROMPTS)}", f"validation.every={VALIDATE_EVERY}",
+               "validation.steps=2", "validation.seeds=[7]"]
         if self.mode == "lora":
             out.append("training.lora.rank=4")
         if self.quantize != "none":
@@ -67,6 +75,7 @@ CASES = [
     Case("flux-lora-qint8-zero2", "tiny-flux", "lora", 2, 1e-2, 12, quantize="qint8"),
     Case("flux-lora-qint8-zero3", "tiny-flux", "lora", 3, 1e-2, 12, quantize="qint8"),
     Case("sdxl-full-zero2", "tiny-sdxl", "full", 2, 1e-3, 12),
+    Case("sdxl-lora-zero3", "tiny-sdxl", "lora", 3, 5e-2, 12),
     # The tiny SD3's loss (~4.1 at the start: 16-channel latents, timesteps shifted by 3 towards
     # noise) falls ~6% in 16 steps, full fine-tune or LoRA alike, then levels off; at 1e-2 LoRA
     # drops only ~2% in 12 steps.
@@ -100,6 +109,28 @@ def stepped_by_cpu_adam(checkpoint) -> bool:
     assert {"amsgrad", "bias_correction"} <= group.keys() and "maximize" not in group, \
         f"not DeepSpeedCPUAdam's param groups: {sorted(group)}"
     return True
+
+
+def check_validation_images(run_dir, case: Case) -> None:
+    """The validation images train.py rendered at the start, every VALIDATE_EVERY steps and at the
+    end: real PNGs of data.resolution, not blank, carrying their prompt, and changing as it trains."""
+    import numpy as np
+    from PIL import Image
+
+    steps = sorted({0, *range(VALIDATE_EVERY, case.steps + 1, VALIDATE_EVERY), case.steps})
+    folders = sorted((run_dir / "validation").iterdir())
+    assert [f.name for f in folders] == [f"step-{s:08d}" for s in steps], folders
+    pixels = []
+    for folder in folders:
+        files = sorted(folder.glob("[0-9][0-9]-seed7.png"))
+        assert len(files) == len(PROMPTS) and (folder / "grid.png").is_file(), sorted(folder.iterdir())
+        for index, path in enumerate(files):
+            with Image.open(path) as image:
+                assert image.size == (64, 64) and image.text["prompt"] == PROMPTS[index], (path, image.size)
+                array = np.asarray(image.convert("RGB"), dtype=np.float32)
+            assert array.std() > 2, f"{path} is blank"
+        pixels.append(array)
+    assert np.abs(pixels[0] - pixels[-1]).mean() > 0.5, "the images did not change while the model trained"
 
 
 def only_adapters_in_engine(checkpoint) -> bool:
@@ -138,6 +169,8 @@ def test_loss_goes_down(train, tmp_path, case):
         assert only_adapters_in_engine(run_dir / "checkpoints" / f"step-{case.steps:08d}")
     manifest = json.loads((run_dir / "export" / "export.json").read_text())
     assert (manifest["mode"], manifest["step"]) == (case.mode, case.steps), manifest
+
+    check_validation_images(run_dir, case)
 
     records = result.metrics()
     assert [r["step"] for r in records] == list(range(1, case.steps + 1))

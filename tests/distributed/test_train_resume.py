@@ -8,6 +8,12 @@ tiny-flux on two CPU ranks (gloo), global batch 2 (micro 1 per rank), on the 8 b
     B   3 steps (max_steps=3, checkpoint at step 3), then the same command with max_steps=6:
         resume=auto finds B/checkpoints/latest and continues; metrics.jsonl appends steps 4-6
 
+The runs render validation images with the EMA weights every 3 steps (swapped in and out of
+the engine: the losses must not notice), and keep an EMA of the weights (decay 0.8 from step 1)
+and export it: the EMA is saved with
+each checkpoint, resumed, and exported instead of the trained weights, so the exported tensors of
+A and B are the EMA's and must be equal too; they must also differ from the trained weights.
+
 A checkpoint restores DeepSpeed's engine (bf16 weights, fp32 master, Adam moments, step
 counters, LR scheduler), the sampler position and every generator, and the run is
 deterministic on CPU (single-threaded, same data cache, same partitioning), so the per-step
@@ -27,18 +33,26 @@ pytestmark = pytest.mark.distributed
 STEPS, CHECKPOINT_AT = 6, 3
 
 
-def exported_tensors(run_dir):
+def exported_tensors_in(folder):
     from safetensors.torch import load_file
 
-    files = sorted((run_dir / "export").rglob("*.safetensors"))
-    assert files, f"{run_dir / 'export'} holds no safetensors"
-    return {f"{path.relative_to(run_dir)}:{name}": tensor for path in files for name, tensor in load_file(path).items()}
+    files = sorted(folder.rglob("*.safetensors"))
+    assert files, f"{folder} holds no safetensors"
+    return {f"{path.relative_to(folder.parent)}:{name}": tensor for path in files
+            for name, tensor in load_file(path).items()}
+
+
+def exported_tensors(run_dir):
+    return exported_tensors_in(run_dir / "export")
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3], ids=lambda s: f"zero{s}")
 def test_resumed_run_matches_uninterrupted_run(train, stage):
     common = (f"planner.stages=[{stage}]", "planner.offload=[none]", "training.mode=full",
-              f"training.checkpoint_every={CHECKPOINT_AT}", "training.resume=auto")
+              f"training.checkpoint_every={CHECKPOINT_AT}", "training.resume=auto",
+              "ema.enabled=true", "ema.decay=0.8", "ema.start_step=1", "ema.export=true",
+              "validation.prompts=[a red square]", f"validation.every={CHECKPOINT_AT}", "validation.steps=2",
+              "validation.use_ema=true")
     a = train("A", *common, f"training.max_steps={STEPS}").check()
     b1 = train("B", *common, f"training.max_steps={CHECKPOINT_AT}").check()
     assert "resumed from" not in b1.log
@@ -66,6 +80,18 @@ def test_resumed_run_matches_uninterrupted_run(train, stage):
     )
 
     import torch
+
+    assert sorted(p.name for p in (a.output_dir / "validation").iterdir()) == \
+        [f"step-{s:08d}" for s in (0, CHECKPOINT_AT, STEPS)]
+    for run in (a, b2):  # the export is the EMA, which must differ from the trained weights
+        manifest = json.loads((run.output_dir / "export" / "export.json").read_text())
+        assert manifest["ema"] is True and manifest["source"].startswith("EMA"), manifest
+    from zerotrain.export import export
+
+    trained = exported_tensors_in(export(a.output_dir, out=a.output_dir / "trained"))
+    averaged = exported_tensors_in(a.output_dir / "export")
+    same = [n for n in averaged if torch.equal(averaged[n], trained[n.replace("export", "trained", 1)])]
+    assert len(same) < len(averaged) // 2, f"the EMA export equals the trained weights in {len(same)} tensors"
 
     weights_a, weights_b = exported_tensors(a.output_dir), exported_tensors(b2.output_dir)
     assert weights_a.keys() == weights_b.keys()
