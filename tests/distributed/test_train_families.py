@@ -4,7 +4,7 @@ the run folder holds what a run leaves behind.
 Cases (global batch 2, micro 1 per rank, 64 px buckets, constant LR, no warmup):
 
     flux full ZeRO-2, ZeRO-3, ZeRO-3 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)
-    flux LoRA (rank 4) ZeRO-2, ZeRO-3
+    flux LoRA (rank 4) ZeRO-0 (no ZeRO: DeepSpeed's bf16 optimizer), ZeRO-2, ZeRO-3
     flux LoRA (rank 4) over a qint8-quantized base (optimum-quanto), ZeRO-2, ZeRO-3
     sdxl full ZeRO-2, sdxl LoRA ZeRO-3
     sd3 LoRA (rank 4) ZeRO-2
@@ -70,6 +70,7 @@ CASES = [
     Case("flux-full-zero2", "tiny-flux", "full", 2, 1e-3, 12),
     Case("flux-full-zero3", "tiny-flux", "full", 3, 1e-3, 12),
     Case("flux-full-zero3-offload", "tiny-flux", "full", 3, 1e-3, 12, offload=True),
+    Case("flux-lora-zero0", "tiny-flux", "lora", 0, 1e-2, 12),
     Case("flux-lora-zero2", "tiny-flux", "lora", 2, 1e-2, 12),
     Case("flux-lora-zero3", "tiny-flux", "lora", 3, 1e-2, 12),
     Case("flux-lora-qint8-zero2", "tiny-flux", "lora", 2, 1e-2, 12, quantize="qint8"),
