@@ -42,12 +42,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, object, object]:
-    """The DeepSpeed config, the plan, the Layout in use and the hardware facts. Every rank computes the same plan from
-    the same inputs (and the planner's facts cache), so nothing needs broadcasting.
+    """The DeepSpeed config, the plan, the Layout in use and the hardware facts: planned on rank 0
+    (for the real world size) and broadcast, so every rank uses the same config even when nodes
+    report different free memory. A planning error on rank 0 is raised on every rank."""
+    outcome: object = None
+    error: Exception | None = None
+    if topo.is_main:
+        try:
+            outcome = _plan_here(run, spec, topo)
+        except Exception as err:  # noqa: BLE001 - the other ranks must not wait for a plan that will not come
+            error = err
+            outcome = err if isinstance(err, ZerotrainError) else ZerotrainError(f"planning failed on rank 0: {err}")
+    if torch.distributed.is_initialized() and topo.world_size > 1:
+        box = [outcome]
+        torch.distributed.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if error is not None:
+        raise error
+    if isinstance(outcome, ZerotrainError):
+        raise outcome
+    return outcome
 
-    deepspeed: auto uses the planner's choice. A given config is used as given (completed by
-    deepspeed_json.complete_given), after the planner has evaluated it: rank 0 warns when it is
-    predicted not to fit. Gradient checkpointing for a given config follows
+
+def _plan_here(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, object, object]:
+    """deepspeed: auto uses the planner's choice. A given config is used as given (completed by
+    deepspeed_json.complete_given), after the planner has evaluated it: a warning is printed when
+    it is predicted not to fit. Gradient checkpointing for a given config follows
     training.gradient_checkpointing, or with auto, the planner: only if it does not fit without."""
     from zerotrain.hardware import hardware_facts
     from zerotrain.planner.deepspeed_json import (
@@ -82,7 +102,7 @@ def plan_deepspeed(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, 
     used = next((c for c in evaluated if c.fits), evaluated[-1])
     result.reasons.append(f"{given[1]} is used as given: {describe(used.layout)}, predicted "
                           f"{gib(used.memory.device_total)} per GPU")
-    if not used.fits and topo.is_main:
+    if not used.fits:
         better = f"; the planner would choose {describe(result.chosen.layout)} " \
                  f"({gib(result.chosen.memory.device_total)} per GPU)" if result.chosen else ""
         print(f"zerotrain: warning: {given[1]} is predicted not to fit: {describe(used.layout)} "
@@ -144,6 +164,8 @@ def train(args: argparse.Namespace) -> int:
     checkpoint = find(run.output_dir, run.training.resume)
     if topo.world_size == 1:
         standalone_rendezvous()
+    if torch.cuda.is_available():  # before any collective: NCCL uses the current device
+        torch.cuda.set_device(topo.local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
 
