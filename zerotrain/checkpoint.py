@@ -212,6 +212,7 @@ def load(engine: Any, checkpoint: Path, topo: Topology, generators: dict[str, to
     loaded, _ = engine.load_checkpoint(str(source.parent), tag=source.name, load_module_strict=False)
     if loaded is None:
         raise ZerotrainError(f"{checkpoint}: DeepSpeed could not load this checkpoint")
+    replay_cpu_adam_steps(engine)
     saved = set(_module_names(source))
     missing = [name for name in missing if name not in saved]
     if missing:
@@ -221,6 +222,39 @@ def load(engine: Any, checkpoint: Path, topo: Topology, generators: dict[str, to
     if rng_file.is_file():
         restore_rng(torch.load(rng_file, weights_only=False), generators)
     return json.loads((checkpoint / STATE).read_text())
+
+
+def replay_cpu_adam_steps(engine: Any) -> None:
+    """Make a resumed run's CPU Adam bit-identical to an uninterrupted one.
+
+    DeepSpeed's CPU Adam kernels (DeepSpeedCPUAdam, used whenever the optimizer is offloaded, and
+    FusedAdam on the CPU accelerator) keep beta^t for the bias correction in a C++ object of the
+    process: one multiplication per step, but std::pow when the step jumps, as it does at the
+    first step after a resume. The two round differently in float, so without this the resumed
+    weights drift from the uninterrupted ones in the last bit at some steps. Replaying steps
+    1..t through the kernel on empty tensors rebuilds the same product. (CUDA's FusedAdam
+    recomputes pow at every step and needs nothing.)"""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    basic = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    on_cpu = isinstance(basic, FusedAdam) and get_accelerator().device_name() == "cpu"
+    if not (isinstance(basic, DeepSpeedCPUAdam) or on_cpu):
+        return
+    steps = [int(state["step"]) for state in basic.state.values() if "step" in state]
+    if not steps:
+        return
+    empty = torch.zeros(0, dtype=torch.float32)
+    for step in range(1, max(steps) + 1):
+        for group in basic.param_groups:
+            beta1, beta2 = group["betas"]
+            common = (group["lr"], beta1, beta2, group["eps"])
+            if isinstance(basic, DeepSpeedCPUAdam):
+                basic.ds_opt_adam.adam_update(basic.opt_id, step, *common, group["weight_decay"],
+                                              group["bias_correction"], empty, empty, empty, empty)
+            else:
+                basic.multi_tensor_adam(2048 * 32, basic._dummy_overflow_buf, [[empty]] * 4, *common, step,
+                                        basic.adam_w_mode, int(group["bias_correction"]), group["weight_decay"])
 
 
 def _module_names(checkpoint: Path) -> list[str]:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from zerotrain import doctor
 from zerotrain.config import RunConfig, load_config
 from zerotrain.errors import ZerotrainError
 
@@ -32,11 +33,9 @@ PLAN_FLAGS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zerotrain", description=__doc__.splitlines()[0])
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("plan", help="plan memory and write a DeepSpeed config, without a GPU")
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """--config, --set and the shorthand flags of `plan` (PLAN_FLAGS maps them to config fields),
+    shared by every command that plans (plan, doctor)."""
     p.add_argument("--config", type=Path, help="run config (YAML, JSON or TOML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set training.lora.rank=32 (repeatable)")
@@ -52,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=["none", "qint8", "qfloat8", "qint4"], help="quantize the frozen base")
     p.add_argument("--global-batch", type=int, help="images per optimizer step across all GPUs")
     p.add_argument("--micro-batch", help="images per GPU per forward, or auto")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerotrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("plan", help="plan memory and write a DeepSpeed config, without a GPU")
+    add_plan_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--write-config", type=Path, metavar="PATH", help="write the chosen DeepSpeed JSON here")
     p.add_argument("--no-cache", action="store_true", help="measure the model again instead of using cached facts")
@@ -70,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, help="output folder (default: RUN/export)")
     e.add_argument("--ema", action="store_true", help="export the EMA of the weights (runs with ema.enabled)")
     e.add_argument("--comfyui", action="store_true", help="also write a ComfyUI-style LoRA / model file")
+    doctor.add_parser(commands)
     return parser
 
 
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),
-                    "export": lambda: run_export(args)}
+                    "export": lambda: run_export(args), "doctor": lambda: doctor.main(args)}
         return commands[args.command]()
     except ZerotrainError as err:
         if args.debug:

@@ -298,3 +298,31 @@ def hardware_facts(config: HardwareConfig, nvml: Any = None,
         inter_node_bandwidth=INTER_NODE, host_to_device_bandwidth=profile.host_to_device_bandwidth,
         source=source, gpus=gpus,
     )
+
+
+@dataclass(frozen=True)
+class Driver:
+    version: str
+    cuda: tuple[int, int]  # the newest CUDA the driver supports
+
+
+def nvml_driver(nvml: Any = None) -> Driver:
+    """The NVIDIA driver's version and the newest CUDA it supports. Raises NvmlUnavailable.
+    `nvml` replaces the pynvml module in tests."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as exc:
+            raise NvmlUnavailable(f"pynvml (nvidia-ml-py) cannot be imported: {exc}") from exc
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        raise NvmlUnavailable(f"NVML did not start: {exc}") from exc
+    try:
+        version = nvml.nvmlSystemGetDriverVersion()
+        cuda = int(nvml.nvmlSystemGetCudaDriverVersion())  # 12040 for CUDA 12.4
+        return Driver(version.decode() if isinstance(version, bytes) else version, (cuda // 1000, cuda % 1000 // 10))
+    except nvml.NVMLError as exc:
+        raise NvmlUnavailable(f"NVML could not read the driver version: {exc}") from exc
+    finally:
+        nvml.nvmlShutdown()

@@ -23,7 +23,7 @@ _CATALOG_DIR = Path(__file__).with_name("catalog")
 _FIELD = "model.name_or_path"
 _SUPPORTED = ", ".join(FAMILIES)
 # owner/name as the hub spells repo ids: one slash, no leading dot or dash.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # Where a diffusers pipeline folder keeps its denoiser, in order of preference.
 _DENOISER_SUBFOLDERS = ("transformer", "unet")
 
@@ -95,7 +95,7 @@ def resolve_model(config: ModelConfig) -> ModelSpec:
         return _from_config_file(name, path)
     if path.is_dir():
         return _from_folder(name, path, config.subfolder)
-    if _HUB_ID.match(name) and not name.endswith(".json"):
+    if HUB_ID.match(name) and not name.endswith(".json"):
         return _from_hub(name, config.subfolder, config.revision)
     raise ZerotrainError(
         f"{_FIELD}='{name}': no catalog entry, file or folder of that name; use one of "
