@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from zerotrain import doctor
+from zerotrain import doctor, launch
 from zerotrain.config import RunConfig, load_config
 from zerotrain.errors import ZerotrainError
 
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ema", action="store_true", help="export the EMA of the weights (runs with ema.enabled)")
     e.add_argument("--comfyui", action="store_true", help="also write a ComfyUI-style LoRA / model file")
     doctor.add_parser(commands)
+    launch.add_parser(commands)
     return parser
 
 
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),
-                    "export": lambda: run_export(args), "doctor": lambda: doctor.main(args)}
+                    "export": lambda: run_export(args), "doctor": lambda: doctor.main(args),
+                    "launch": lambda: launch.main(args)}
         return commands[args.command]()
     except ZerotrainError as err:
         if args.debug:

@@ -155,6 +155,8 @@ def train(args: argparse.Namespace) -> int:
     from zerotrain.planner.search import describe, gib
     from zerotrain.sampling import Validator
 
+    # The allocator setting the planner's fragmentation constant assumes (before any CUDA allocation).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # Parse and validate everything before any model loads.
     run = load_config(args.config, args.overrides)
     slurm_rendezvous()
