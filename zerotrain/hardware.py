@@ -6,10 +6,11 @@ This is the only module that imports pynvml; it does so lazily, so that a CPU-on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -184,8 +185,10 @@ def visible_gpu_indices(cuda_visible_devices: str | None, all_gpus: list[GPUInfo
     return chosen
 
 
-def detect_nvml_gpus(nvml: Any = None) -> list[GPUInfo]:
-    """Every GPU NVML enumerates (CUDA_VISIBLE_DEVICES is not applied). Raises NvmlUnavailable."""
+@contextlib.contextmanager
+def _nvml_session(nvml: Any, reading: str) -> Iterator[Any]:
+    """pynvml (or `nvml`, its stand-in in tests) initialised for the block and shut down after;
+    every NVML failure becomes NvmlUnavailable (`reading` names what was being read)."""
     if nvml is None:
         try:
             import pynvml as nvml
@@ -196,17 +199,23 @@ def detect_nvml_gpus(nvml: Any = None) -> list[GPUInfo]:
     except nvml.NVMLError as exc:
         raise NvmlUnavailable(f"NVML did not start: {exc}") from exc
     try:
-        gpus = []
-        for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(GPUInfo(index, _text(nvml.nvmlDeviceGetName(handle)),
-                                _text(nvml.nvmlDeviceGetUUID(handle)), int(memory.total), int(memory.free)))
-        return gpus
+        yield nvml
     except nvml.NVMLError as exc:
-        raise NvmlUnavailable(f"NVML could not read the GPUs: {exc}") from exc
+        raise NvmlUnavailable(f"NVML could not read {reading}: {exc}") from exc
     finally:
         nvml.nvmlShutdown()
+
+
+def detect_nvml_gpus(nvml: Any = None) -> list[GPUInfo]:
+    """Every GPU NVML enumerates (CUDA_VISIBLE_DEVICES is not applied). Raises NvmlUnavailable."""
+    with _nvml_session(nvml, "the GPUs") as lib:
+        gpus = []
+        for index in range(lib.nvmlDeviceGetCount()):
+            handle = lib.nvmlDeviceGetHandleByIndex(index)
+            memory = lib.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(GPUInfo(index, _text(lib.nvmlDeviceGetName(handle)),
+                                _text(lib.nvmlDeviceGetUUID(handle)), int(memory.total), int(memory.free)))
+        return gpus
 
 
 def _text(value: str | bytes) -> str:
@@ -309,20 +318,6 @@ class Driver:
 def nvml_driver(nvml: Any = None) -> Driver:
     """The NVIDIA driver's version and the newest CUDA it supports. Raises NvmlUnavailable.
     `nvml` replaces the pynvml module in tests."""
-    if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError as exc:
-            raise NvmlUnavailable(f"pynvml (nvidia-ml-py) cannot be imported: {exc}") from exc
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        raise NvmlUnavailable(f"NVML did not start: {exc}") from exc
-    try:
-        version = nvml.nvmlSystemGetDriverVersion()
-        cuda = int(nvml.nvmlSystemGetCudaDriverVersion())  # 12040 for CUDA 12.4
-        return Driver(version.decode() if isinstance(version, bytes) else version, (cuda // 1000, cuda % 1000 // 10))
-    except nvml.NVMLError as exc:
-        raise NvmlUnavailable(f"NVML could not read the driver version: {exc}") from exc
-    finally:
-        nvml.nvmlShutdown()
+    with _nvml_session(nvml, "the driver version") as lib:
+        cuda = int(lib.nvmlSystemGetCudaDriverVersion())  # 12040 for CUDA 12.4
+        return Driver(_text(lib.nvmlSystemGetDriverVersion()), (cuda // 1000, cuda % 1000 // 10))

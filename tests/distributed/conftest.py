@@ -85,23 +85,30 @@ def rank_env(rank: int, world: int, port: int, slurm: bool) -> dict[str, str]:
             "MASTER_PORT": str(port)}
 
 
-def run_ranks(args: list[str], log_dir: Path, name: str, timeout: float = TIMEOUT_S,
-              world: int = WORLD, slurm: bool = False) -> tuple[list[int], list[Path], float]:
+def start_ranks(args: list[str], log_dir: Path, name: str, world: int = WORLD,
+                slurm: bool = False) -> tuple[list[subprocess.Popen], list[Path]]:
     """Start `world` ranks of the command `args` as a launcher would (or as srun would, with
-    slurm=True), and wait for them. A rank that exits non-zero may leave the others waiting in a
-    collective: they are stopped 15 s later. Returns the exit codes, each rank's log (stdout and stderr) and
-    the seconds taken."""
+    slurm=True), each writing stdout and stderr to its log. Returns the processes and the logs."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in process_env().items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
     port = free_port()
     logs = [log_dir / f"{name}.rank{rank}.log" for rank in range(world)]
-    started = time.monotonic()
     procs = []
     for rank, log in enumerate(logs):
         with log.open("w") as out:
             procs.append(subprocess.Popen(args, env={**env, **rank_env(rank, world, port, slurm)},
                                           stdout=out, stderr=subprocess.STDOUT, cwd=log_dir))
+    return procs, logs
+
+
+def run_ranks(args: list[str], log_dir: Path, name: str, timeout: float = TIMEOUT_S,
+              world: int = WORLD, slurm: bool = False) -> tuple[list[int], list[Path], float]:
+    """start_ranks, and wait for them. A rank that exits non-zero may leave the others waiting in a
+    collective: they are stopped 15 s later. Returns the exit codes, each rank's log and the
+    seconds taken."""
+    started = time.monotonic()
+    procs, logs = start_ranks(args, log_dir, name, world, slurm)
     deadline = started + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if any(p.poll() not in (None, 0) for p in procs):  # the others get a moment to fail on their own

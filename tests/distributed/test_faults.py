@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.distributed.conftest import WORLD, TrainResult, free_port, process_env, rank_env, train_args
+from tests.distributed.conftest import WORLD, TrainResult, start_ranks, train_args
 
 pytestmark = pytest.mark.distributed
 
@@ -32,17 +32,8 @@ def stopped_by_sigterm(train, name: str, *overrides: str) -> tuple[TrainResult, 
     """Start the ranks, wait until 3 steps are logged, send SIGTERM to every rank (as Slurm or a
     launcher does), and wait for them. Returns the result and the seconds from signal to exit."""
     out = train.tmp_path / name
-    log_dir = train.tmp_path / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-u", *train_args(out, [*train.base, *overrides])]
-    env = {k: v for k, v in process_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    port = free_port()
-    logs = [log_dir / f"{name}.rank{rank}.log" for rank in range(WORLD)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as handle:
-            procs.append(subprocess.Popen(args, env={**env, **rank_env(rank, WORLD, port, False)}, stdout=handle,
-                                          stderr=subprocess.STDOUT, cwd=log_dir))
+    procs, logs = start_ranks(args, train.tmp_path / "logs", name)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
