@@ -2,10 +2,21 @@
 sampler position, every random number generator, step counters, the config and the plan.
 
 RUN/checkpoints/<tag>/ holds DeepSpeed's files, rng-<rank>.pt per rank and zerotrain_state.json.
-RUN/checkpoints/latest names the newest complete tag. It is written (atomically, by rank 0)
-only after every rank has finished saving, so a checkpoint interrupted mid-write is never
-chosen. The newest `keep` checkpoints are kept. Frozen parameters (a LoRA run's base) are not
-saved: they come from the model folder at every start.
+zerotrain_state.json is written last (atomically, by rank 0) and marks the tag complete: it
+holds the size and SHA-256 of every other file of the tag, computed after every rank has
+finished writing (and fsync'ed them). RUN/checkpoints/latest names the newest complete tag; it
+moves (atomically, by rank 0) only after that, so a checkpoint interrupted mid-write is never
+chosen. A write that fails on any rank (a full disk) is agreed on by every rank, so that none is
+left waiting in a collective. The newest `keep` checkpoints are kept. Frozen parameters (a LoRA
+run's base) are not saved: they come from the model folder at every start.
+
+Before a resume, the ranks check the chosen checkpoint's files against those checksums
+(`usable`). A damaged one (a truncated file, a flipped byte) is named, and with training.resume
+auto the previous complete checkpoint is used instead; nothing damaged is ever loaded.
+
+zerotrain's own files load with weights_only=True or are JSON: rng-<rank>.pt holds only tensors
+and plain numbers. DeepSpeed's own files (model and optimizer states) are pickles that may hold
+code: a checkpoint from someone else is to be trusted like code.
 
 A checkpoint saved by another number of processes, or under another ZeRO stage, cannot be loaded
 as it is (DeepSpeed's optimizer files are partitioned per rank). It is converted once, by rank 0,
@@ -18,10 +29,14 @@ did not have keeps its freshly seeded generators."""
 from __future__ import annotations
 
 import errno
+import hashlib
+import io
 import json
 import os
 import random
 import shutil
+import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,8 +57,11 @@ def tag_for(step: int) -> str:
 
 
 def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "generators": {name: g.get_state() for name, g in generators.items()}}
+    """Every generator's state as tensors and plain numbers (so it loads with weights_only=True)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                    cached),
+             "torch": torch.get_rng_state(), "generators": {name: g.get_state() for name, g in generators.items()}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -51,7 +69,8 @@ def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -64,16 +83,70 @@ def layout(engine: Any) -> dict[str, int]:
     return {"world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage()}
 
 
+class _GuardedWrites:
+    """DeepSpeed's checkpoint engine for one save, with the first write failure kept instead of
+    raised: a rank that raised inside engine.save_checkpoint would leave the others waiting in its
+    collectives (its barriers, ZeRO-3's gathers), so every rank goes through the whole save and the
+    failure is agreed on afterwards. Later writes after a failure are skipped. `kill` (tests:
+    faults.inject_kill) ends the process with SIGKILL at that point of the write."""
+
+    def __init__(self, inner: Any, kill: str | None):
+        self.inner = inner
+        self.kill = kill
+        self.error: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        if self.error is None:
+            try:
+                self.inner.makedirs(path, exist_ok=exist_ok)
+            except OSError as err:
+                self.error = err
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.kill == "before_model":
+            _kill_self()
+        if self.kill == "optimizer" and "optim_states" in Path(path).name:
+            _write_half_and_die(state_dict, path)
+        if self.error is not None:
+            return
+        try:
+            self.inner.save(state_dict, path)
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+            self.error = err if getattr(err, "filename", None) else OSError(
+                getattr(err, "errno", None), " ".join(str(err).split())[:200], path)
+
+
+def _kill_self() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_half_and_die(state_dict: Any, path: str) -> None:
+    """What a process killed in the middle of writing a file leaves behind: its first half."""
+    data = io.BytesIO()
+    torch.save(state_dict, data)
+    with open(path, "wb") as out:
+        out.write(data.getbuffer()[: data.tell() // 2])
+        out.flush()
+        os.fsync(out.fileno())
+    _kill_self()
+
+
 def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str, Any],
          generators: dict[str, torch.Generator], keep: int, inject_failure: bool = False,
-         extra: Callable[[Path], Any] | None = None) -> Path:
+         extra: Callable[[Path], Any] | None = None, kill: str | None = None) -> Path:
     """Every rank calls this. Returns the checkpoint folder.
 
     Nothing half-written is ever taken for a checkpoint: the ranks agree that every file was
-    written before rank 0 moves `latest`. If any rank fails (a full disk, an I/O error), the
-    partial folder is removed, `latest` keeps naming the previous checkpoint, and every rank
-    raises one ZerotrainError. inject_failure (faults.inject_save_failure_at, for tests) makes
-    rank 0 fail after DeepSpeed has written its files, as a disk filling up mid-save would.
+    written, checksum the files, then rank 0 writes zerotrain_state.json and moves `latest`. If any
+    rank fails (a full disk, an I/O error), the partial folder is removed, `latest` keeps naming the
+    previous checkpoint, and every rank raises one ZerotrainError. inject_failure
+    (faults.inject_save_failure_at, for tests) makes rank 0 fail after DeepSpeed has written its
+    files; kill (faults.inject_kill) SIGKILLs this process at that point of the write.
     extra(folder) writes this rank's further files (the EMA) into the checkpoint, inside the same
     agreement."""
     from deepspeed.checkpoint.constants import (
@@ -87,12 +160,13 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
     folder = root / tag
     # ds_to_universal requires the client to declare the universal checkpoint version.
     info = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    error: OSError | None = None
+    guard = _GuardedWrites(engine.checkpoint_engine, kill)
+    engine.checkpoint_engine = guard
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=info, save_latest=False, exclude_frozen_parameters=True)
-    except OSError as err:
-        error = err
-        barrier()  # DeepSpeed's save ends in a barrier the other ranks are waiting in
+    finally:
+        engine.checkpoint_engine = guard.inner
+    error = guard.error
     if error is None:
         try:
             if inject_failure and topo.is_main:
@@ -101,12 +175,21 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
             torch.save(rng_state(generators), folder / f"rng-{topo.rank}.pt")
             if extra is not None:
                 extra(folder)
-            if topo.is_main:
-                _write_atomic(folder / STATE, json.dumps({**state, **layout(engine)}, indent=1, default=str))
+        except (OSError, RuntimeError) as err:
+            error = err
+    if not all_ok(error is None):
+        _abandon(folder, root, topo, error)
+    files = checksums(folder, topo, fsync=True)
+    if topo.is_main:
+        try:
+            _write_atomic(folder / STATE, json.dumps({**state, **layout(engine), "files": files}, indent=1,
+                                                     default=str))
         except OSError as err:
             error = err
     if not all_ok(error is None):
         _abandon(folder, root, topo, error)
+    if kill == "before_latest":
+        _kill_self()
     if topo.is_main:
         try:
             _write_atomic(root / LATEST, tag)
@@ -118,8 +201,102 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
         complete = sorted(p for p in root.glob("step-*") if (p / STATE).is_file())
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+        for partial in root.glob("step-*"):  # left by a run killed while writing it
+            if partial.name < tag and not (partial / STATE).is_file():
+                shutil.rmtree(partial, ignore_errors=True)
     barrier()
     return folder
+
+
+def _sha256(path: Path, fsync: bool) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+        if fsync:  # the file's pages reach the disk before `latest` can name it
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def _shares(folder: Path, names: list[str] | None, topo: Topology) -> tuple[list[str], dict[str, list[int]]]:
+    """The files of `folder` (all of them, or `names`) and which ranks see each: a multi-node job
+    without a shared file system sees only its own node's files. Every rank calls this."""
+    if names is None:
+        names = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != STATE
+                 and not p.relative_to(folder).as_posix().startswith(UNIVERSAL)]
+    visible = {name for name in names if (folder / name).is_file()}
+    seen: dict[str, list[int]] = {}
+    for rank, found in enumerate(gather_objects(sorted(visible))):
+        for name in found:
+            seen.setdefault(name, []).append(rank)
+    return sorted(seen), seen
+
+
+def checksums(folder: Path, topo: Topology, fsync: bool = False) -> dict[str, dict[str, Any]]:
+    """{relative path: {bytes, sha256}} of every file of a checkpoint folder, the hashing shared
+    among the ranks that see each file. Every rank calls this and gets the whole result."""
+    names, seen = _shares(folder, None, topo)
+    mine = {}
+    for i, name in enumerate(names):
+        if seen[name][i % len(seen[name])] == topo.rank:
+            mine[name] = {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name, fsync)}
+    merged: dict[str, dict[str, Any]] = {}
+    for part in gather_objects(mine):
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def damage(checkpoint: Path, topo: Topology) -> str | None:
+    """What is wrong with a checkpoint's files, in one phrase, or None when every file has the size
+    and SHA-256 recorded when it was saved. Every rank calls this (the hashing is shared)."""
+    try:
+        state = saved_state(checkpoint)
+        recorded = state.get("files")
+    except (OSError, ValueError) as err:
+        problem: str | None = f"{checkpoint / STATE} cannot be read ({err})"
+        recorded = None
+    else:  # a checkpoint of an earlier zerotrain records none: nothing to check it against
+        problem = None if recorded is None or isinstance(recorded, dict) else f"{checkpoint / STATE} is malformed"
+    if problem is not None or not recorded:
+        return problem
+    names, seen = _shares(checkpoint, sorted(recorded), topo)
+    found = []
+    for name in sorted(set(recorded) - set(names)):
+        found.append(f"{checkpoint / name} is missing")
+    for i, name in enumerate(names):
+        if seen[name][i % len(seen[name])] != topo.rank:
+            continue
+        path, want = checkpoint / name, recorded[name]
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            found.append(f"{path} has {size} bytes, {want['bytes']} were written")
+        elif _sha256(path, fsync=False) != want["sha256"]:
+            found.append(f"{path} does not match its SHA-256 checksum")
+    problems = sorted({p for part in gather_objects(found) for p in part})
+    return None if not problems else problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
+def usable(run_dir: Path, chosen: Path | None, topo: Topology, fall_back: bool) -> Path | None:
+    """The checkpoint to resume from: `chosen` if its files are intact; else (fall_back, i.e.
+    training.resume auto) the newest older complete checkpoint that is, with a warning naming the
+    damaged file; else one ZerotrainError. Every rank calls this."""
+    if chosen is None:
+        return None
+    candidates = [chosen]
+    if fall_back:
+        candidates += sorted((p for p in (run_dir / "checkpoints").glob("step-*")
+                              if p.name < chosen.name and (p / STATE).is_file()), reverse=True)
+    reasons = []
+    for candidate in candidates:
+        problem = damage(candidate, topo)
+        if problem is None:
+            if reasons and topo.is_main:
+                print(f"zerotrain: warning: {'; '.join(reasons)}; resuming from {candidate}, the newest intact "
+                      "checkpoint", file=sys.stderr, flush=True)
+            return candidate
+        reasons.append(f"checkpoint {candidate} is damaged: {problem}")
+    raise ZerotrainError(f"{'; '.join(reasons)}; no intact checkpoint is left to resume from: start over with "
+                         "training.resume=none (or another output_dir), or restore the files from a copy")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -128,11 +305,11 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _abandon(folder: Path, root: Path, topo: Topology, error: OSError | None) -> None:
+def _abandon(folder: Path, root: Path, topo: Topology, error: BaseException | None) -> None:
     """A save failed on some rank: remove what was written, keep `latest`, and stop every rank
     with the first rank's reason."""
-    reasons = [r for r in gather_objects(None if error is None else f"{error.strerror or error}: "
-                                         f"{error.filename or folder}") if r]
+    reasons = [r for r in gather_objects(None if error is None else f"{getattr(error, 'strerror', None) or error}: "
+                                         f"{getattr(error, 'filename', None) or folder}") if r]
     if topo.is_main:
         shutil.rmtree(folder, ignore_errors=True)
     barrier()
@@ -220,7 +397,7 @@ def load(engine: Any, checkpoint: Path, topo: Topology, generators: dict[str, to
                              "was it saved by a run of another model or training mode?")
     rng_file = checkpoint / f"rng-{topo.rank}.pt"
     if rng_file.is_file():
-        restore_rng(torch.load(rng_file, weights_only=False), generators)
+        restore_rng(torch.load(rng_file, weights_only=True), generators)
     return json.loads((checkpoint / STATE).read_text())
 
 

@@ -104,3 +104,127 @@ def agree(values: list[float]) -> list[float]:
 def all_ok(ok: bool) -> bool:
     """Whether every rank says ok (see agree)."""
     return agree([0.0 if ok else 1.0])[0] == 0.0
+
+
+class Heartbeat:
+    """Tells which rank of a job was lost, and ends a rank that would otherwise wait for it forever.
+
+    A background thread of every rank advances the counter zerotrain/heartbeat/<rank> in the job's
+    rendezvous store (its own TCPStore client of MASTER_ADDR:MASTER_PORT, held by rank 0 or by
+    torchrun's agent) once a second, and reads the others'. A rank whose counter has not moved for
+    `lost_after` seconds (the process was killed, its node went down), or a store that stays
+    unreachable that long (the process holding it ended), is lost. The main thread learns it from
+    `verdict()` after a collective failed (gloo fails at once when a peer's socket closes); when the
+    main thread stays blocked instead (NCCL waits until the collective timeout), the thread prints
+    the one line itself and ends the process with exit code 3 after `handover` seconds.
+
+    The counters live in the store, not in the collectives, so they keep moving while a rank is
+    busy: compute, a checkpoint write or a universal conversion release the GIL. `stop()` ends the
+    thread and the store client before the process group is destroyed."""
+
+    EXIT_CODE = 3
+
+    def __init__(self, topo: Topology, lost_after: float, interval: float = 1.0, handover: float = 15.0,
+                 environ: Mapping[str, str] | None = None):
+        import threading
+
+        self.topo = topo
+        self.lost_after = lost_after
+        self.interval = interval
+        self.handover = handover
+        self.lost: list[int] | None = None
+        self.detail = ""
+        self._found = threading.Event()
+        self._handled = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._store = None
+        env = os.environ if environ is None else environ
+        if topo.world_size > 1 and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+            from datetime import timedelta
+
+            self._store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                                     timeout=timedelta(seconds=max(1.0, interval * 5)),
+                                                     wait_for_workers=False)
+            self._thread = threading.Thread(target=self._run, name="zerotrain-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _key(self, rank: int) -> str:
+        return f"zerotrain/heartbeat/{rank}"
+
+    def _run(self) -> None:
+        import time
+
+        others = [r for r in range(self.topo.world_size) if r != self.topo.rank]
+        seen = {r: -1 for r in others}
+        moved = {r: time.monotonic() for r in others}
+        reachable = time.monotonic()
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                self._store.add(self._key(self.topo.rank), 1)
+                for r in others:
+                    count = self._store.add(self._key(r), 0)
+                    if count != seen[r]:
+                        seen[r], moved[r] = count, now
+                reachable = now
+            except Exception as err:  # noqa: BLE001 - any store failure means its holder is gone
+                if now - reachable >= self.lost_after:
+                    self._declare([0], f"the rendezvous store at rank 0 has been unreachable for "
+                                       f"{now - reachable:.0f} s ({' '.join(str(err).split())[:120]})")
+                    return
+                continue
+            lost = [r for r in others if now - moved[r] >= self.lost_after]
+            if lost:
+                self._declare(lost, f"no heartbeat for {self.lost_after:.0f} s")
+                return
+
+    def _declare(self, lost: list[int], detail: str) -> None:
+        import sys
+
+        self.lost, self.detail = lost, detail
+        self._found.set()
+        if self._handled.wait(self.handover) or self._stop.is_set():
+            return
+        print(f"zerotrain: error: rank {self.topo.rank}: {self.describe()}; stopping this rank (it was blocked "
+              "waiting for the lost one); resume with the same command (training.resume: auto)",
+              file=sys.stderr, flush=True)
+        os._exit(self.EXIT_CODE)
+
+    def describe(self) -> str:
+        if not self.lost:
+            return "a collective failed, but every rank's heartbeat is still moving"
+        ranks = ", ".join(str(r) for r in self.lost)
+        return f"rank {ranks} was lost ({self.detail}: its process ended or its node went down)"
+
+    def verdict(self, wait: float | None = None) -> list[int] | None:
+        """The lost ranks, waiting up to `wait` seconds (default: long enough for a verdict) for the
+        thread to reach one; None if every rank is still alive. The caller then handles the loss:
+        the thread no longer ends the process."""
+        self._handled.set()
+        if self._thread is not None:
+            self._found.wait(self.lost_after + 3 * self.interval if wait is None else wait)
+        return self.lost
+
+    def stop(self) -> None:
+        self._handled.set()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval * 10)
+        self._thread = None
+        self._store = None
+
+
+def shutdown(clean: bool) -> None:
+    """Leave the process group while the interpreter is fully alive. Without this, gloo's worker
+    threads may still hold finished work (tensors with Python references) when the interpreter
+    finalizes, and releasing them then needs the GIL: the process aborts with "terminate called
+    without an active exception" (exit -6) after its work was done (pytorch#190489, #179291).
+    clean: every rank got here together, so a last barrier makes sure none is still inside a
+    collective of this group; after an error on some ranks only, no barrier (it would wait for
+    the collective timeout)."""
+    if not torch.distributed.is_initialized():
+        return
+    if clean:
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

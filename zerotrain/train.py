@@ -19,14 +19,24 @@ import json
 import os
 import socket
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import yaml
 
-from zerotrain.checkpoint import find, load, make_universal, needs_universal, restore_rng, rng_state, save
+from zerotrain.checkpoint import (
+    find,
+    load,
+    make_universal,
+    needs_universal,
+    restore_rng,
+    rng_state,
+    save,
+    usable,
+)
 from zerotrain.config import RunConfig, load_config
-from zerotrain.distributed import Topology, agree, barrier, slurm_rendezvous, topology
+from zerotrain.distributed import Heartbeat, Topology, agree, barrier, shutdown, slurm_rendezvous, topology
 from zerotrain.errors import ZerotrainError
 from zerotrain.faults import StopSignal, oom_advice
 from zerotrain.monitor import Monitor, StepTimes, measured_peaks
@@ -141,19 +151,20 @@ def to_device(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
+def collective_failure(err: BaseException) -> bool:
+    """Whether an error came from a collective whose peer failed (gloo reports a closed socket as a
+    plain RuntimeError naming its source file)."""
+    text = str(err)
+    return isinstance(err, torch.distributed.DistError) or (
+        isinstance(err, RuntimeError) and any(k in text for k in ("gloo", "NCCL", "Connection reset", "Connection closed")))
+
+
 def train(args: argparse.Namespace) -> int:
+    """Start-up, the process group, and one orderly way out of it on every rank (fit() is the run)."""
     import deepspeed
 
-    from zerotrain.data.cache import model_folder
-    from zerotrain.data.prepare import make_loader, prepare
-    from zerotrain.ema import ShardedEMA
-    from zerotrain.engine import apply_mode, build_engine, denoiser, load_denoiser
-    from zerotrain.export import export
     from zerotrain.models.catalog import resolve_model
     from zerotrain.models.families import check_resolution
-    from zerotrain.objectives import make_objective
-    from zerotrain.planner.search import describe, gib
-    from zerotrain.sampling import Validator
 
     # The allocator setting the planner's fragmentation constant assumes (before any CUDA allocation).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -168,7 +179,51 @@ def train(args: argparse.Namespace) -> int:
         standalone_rendezvous()
     if torch.cuda.is_available():  # before any collective: NCCL uses the current device
         torch.cuda.set_device(topo.local_rank)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=timedelta(seconds=run.faults.collective_timeout_seconds))
+    heartbeat = Heartbeat(topo, run.faults.lost_rank_seconds)
+    finished = False
+    try:
+        checkpoint = usable(run.output_dir, checkpoint, topo, fall_back=str(run.training.resume) == "auto")
+        completed = fit(run, spec, topo, checkpoint)
+        finished = True
+    except Exception as err:
+        if not collective_failure(err):
+            raise
+        lost = heartbeat.verdict()
+        latest = find(run.output_dir, "auto")
+        where = f"{latest} is the latest complete checkpoint" if latest else "no checkpoint was completed yet"
+        what = heartbeat.describe() if lost else \
+            f"a collective failed ({' '.join(str(err).split())[:200]}) while every rank's heartbeat still moves"
+        raise ZerotrainError(f"rank {topo.rank}: {what}; stopping; {where}: resume with the same command "
+                             "(training.resume: auto)") from err
+    finally:
+        # Every rank leaves the same way: heartbeat stopped, then the process group destroyed (after
+        # a last barrier when every rank finished), while the interpreter is fully alive.
+        heartbeat.stop()
+        shutdown(clean=finished)
+
+    # Close: rank 0 exports weights diffusers loads, from the final checkpoint every rank has
+    # finished writing (save() ends with a barrier). The process group is gone: a long export (a
+    # large ZeRO-3 model) cannot run into a collective timeout.
+    if completed and topo.is_main:
+        from zerotrain.export import export
+
+        print(f"exported to {export(run.output_dir, ema=run.ema.export)}", flush=True)
+    return 0
+
+
+def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
+    """Plan, data, model, loop and checkpoints, every rank together. True when max_steps were
+    trained, False when a signal stopped the run (after its checkpoint)."""
+    from zerotrain.data.cache import model_folder
+    from zerotrain.data.prepare import make_loader, prepare
+    from zerotrain.ema import ShardedEMA
+    from zerotrain.engine import apply_mode, build_engine, denoiser, load_denoiser
+    from zerotrain.objectives import make_objective
+    from zerotrain.planner.search import describe, gib
+    from zerotrain.sampling import Validator
+
     device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
 
     # Plan, and record the run.
@@ -242,7 +297,8 @@ def train(args: argparse.Namespace) -> int:
         state = {"step": at, "sampler": sampler.state_dict(), "images": at * images_per_step}
         return save(engine, run.output_dir, at, topo, state, generators, run.training.keep_checkpoints,
                     inject_failure=at in faults.inject_save_failure_at,
-                    extra=None if ema is None else lambda folder: ema.save(folder, topo.rank))
+                    extra=None if ema is None else lambda folder: ema.save(folder, topo.rank),
+                    kill=faults.inject_kill.point if faults.inject_kill and faults.inject_kill.step == at else None)
 
     def validate(at: int) -> None:
         """Every rank renders its share of the validation images (with the EMA weights if asked)."""
@@ -296,7 +352,7 @@ def train(args: argparse.Namespace) -> int:
                     where = f"checkpoint {saved}" if saved else "no checkpoint (no step was completed)"
                     monitor.log(f"stopped by {stop.received or 'a signal on another rank'} during step {step + 1}: "
                                 f"{where}; resume with the same command (training.resume: auto)")
-                return 0
+                return False
             sampler.advance()
             step += 1
             mean_loss = torch.stack(losses).mean()
@@ -332,13 +388,7 @@ def train(args: argparse.Namespace) -> int:
     finally:
         stop.restore()
         monitor.close()
-
-    # Close: rank 0 exports weights diffusers loads, from the final checkpoint every rank has
-    # finished writing (save() ends with a barrier). The other ranks are done: no collective
-    # follows, so a long export (a large ZeRO-3 model) cannot run into a process-group timeout.
-    if topo.is_main:
-        print(f"exported to {export(run.output_dir, ema=run.ema.export)}", flush=True)
-    return 0
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

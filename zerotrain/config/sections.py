@@ -327,6 +327,15 @@ class EmaConfig(_Section):
     """Export the EMA weights (instead of the trained weights) at the end of training."""
 
 
+class KillPoint(_Section):
+    step: int = Field(ge=1)
+    """The step whose checkpoint write is killed."""
+    point: Literal["before_model", "optimizer", "before_latest"]
+    """before_model: before DeepSpeed writes any file; optimizer: half-way through writing the
+    first optimizer-state file (the file is left truncated); before_latest: after every file is
+    written, just before `latest` moves."""
+
+
 class FaultsConfig(_Section):
     grace_seconds: float = Field(120.0, gt=0)
     """After SIGTERM or SIGUSR1, how long zerotrain may take to write a checkpoint and exit."""
@@ -337,6 +346,18 @@ class FaultsConfig(_Section):
     """For tests: optimizer steps whose loss is made NaN on rank 0 (exercises the bad-step path)."""
     inject_save_failure_at: list[int] = []
     """For tests: steps whose checkpoint fails to write on rank 0, as with a full disk."""
+    collective_timeout_seconds: float = Field(1800.0, gt=0)
+    """Timeout of the process group's collectives: a rank that waits this long for the others
+    stops with an error instead of hanging. It must exceed the longest one-rank pause every other
+    rank waits through (rank 0 converting a checkpoint to universal format on resume, writing a
+    checkpoint). A rank whose process dies is noticed sooner, by heartbeats (lost_rank_seconds)."""
+    lost_rank_seconds: float = Field(30.0, gt=0)
+    """A rank whose heartbeat (a counter every rank's background thread advances each second in the
+    rendezvous store) has not moved for this long is lost: every other rank names it and stops,
+    also when it is blocked in a collective that would otherwise wait for the timeout."""
+    inject_kill: KillPoint | None = None
+    """For tests: SIGKILL every rank at a point of one checkpoint write, e.g.
+    `{step: 4, point: optimizer}` (points: before_model, optimizer, before_latest)."""
 
 
 class LoggingConfig(_Section):
