@@ -116,7 +116,7 @@ class _GuardedWrites:
             self.inner.save(state_dict, path)
         except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
             self.error = err if getattr(err, "filename", None) else OSError(
-                getattr(err, "errno", None), " ".join(str(err).split())[:200], path)
+                getattr(err, "errno", None), f"torch.save failed ({' '.join(str(err).split())[:160]})", path)
 
 
 def _kill_self() -> None:
@@ -317,8 +317,9 @@ def _abandon(folder: Path, root: Path, topo: Topology, error: BaseException | No
     previous = f"{root / latest.read_text().strip()} is still the latest checkpoint" if latest.is_file() \
         else "no earlier checkpoint exists"
     free = shutil.disk_usage(root).free if root.exists() else 0
+    free_text = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
     raise ZerotrainError(f"checkpoint {folder} could not be written ({reasons[0] if reasons else 'unknown error'}; "
-                         f"{free / 2**30:.1f} GiB free there); {previous}; free space, then resume with the same "
+                         f"{free_text} free there); {previous}; free space, then resume with the same "
                          "command (training.resume: auto)")
 
 

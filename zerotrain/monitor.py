@@ -76,6 +76,25 @@ def _eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _truncate_metrics(path: Path, start_step: int) -> None:
+    """Drop the records of steps after `start_step` (the checkpoint a run resumes from): a run
+    killed between checkpoints logged steps that are now trained again, and TensorBoard's
+    purge_step drops them there too. A torn last line (the kill came mid-write) goes as well."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and int(record.get("step", 0)) <= start_step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
 class Monitor:
     """Progress, metrics and the memory comparison of one run (see the module docstring)."""
 
@@ -99,6 +118,7 @@ class Monitor:
         if not topo.is_main:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
         self.metrics = (run_dir / "metrics.jsonl").open("a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -185,3 +185,41 @@ class Trainer:
 @pytest.fixture
 def train(shared_cache, tmp_path) -> Trainer:
     return Trainer(shared_cache, tmp_path)
+
+
+def logged_steps(output_dir: Path) -> int:
+    """How many step records rank 0 has written to metrics.jsonl so far."""
+    path = output_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def interrupted(train: Trainer, name: str, *overrides: str, after_steps: int, signals: dict[int, int],
+                wait_s: float = 150) -> tuple[TrainResult, float]:
+    """Start train(name, *overrides)'s ranks, wait until metrics.jsonl holds `after_steps` records,
+    send signals[rank] to those ranks (SIGTERM to all, as Slurm does; SIGKILL to one, as a crash
+    does), and wait up to wait_s for every rank to exit (stragglers are killed and reported as
+    None). Returns the result and the seconds from the signal to the last exit."""
+    train.calls += 1
+    out = train.tmp_path / name
+    args = [sys.executable, "-u", *train_args(out, [*train.base, *overrides])]
+    procs, logs = start_ranks(args, train.tmp_path / "logs", f"{train.calls}-{name}")
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs) and logged_steps(out) < after_steps:
+        time.sleep(0.05)
+    if not all(p.poll() is None for p in procs):
+        for proc in procs:
+            proc.kill()
+        raise AssertionError("a rank ended before it could be signalled:\n" +
+                             "\n".join(log.read_text(errors="replace")[-3000:] for log in logs))
+    signalled = time.monotonic()
+    for rank, sig in signals.items():
+        procs[rank].send_signal(sig)
+    returncodes: list = []
+    for proc in procs:
+        try:
+            returncodes.append(proc.wait(timeout=max(0.1, signalled + wait_s - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            returncodes.append(None)
+    return TrainResult(out, returncodes, logs, time.monotonic() - signalled), time.monotonic() - signalled

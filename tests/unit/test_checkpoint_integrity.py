@@ -1,0 +1,141 @@
+"""Checkpoint integrity without a process group: checksums recorded at save, damage found at
+resume (a flipped byte, a truncated or missing file, an unreadable state file), the fallback to
+the previous intact checkpoint, random-generator state that loads with weights_only=True, and the
+heartbeats that name a lost rank."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from zerotrain.checkpoint import STATE, checksums, damage, restore_rng, rng_state, usable
+from zerotrain.distributed import Heartbeat, Topology
+from zerotrain.errors import ZerotrainError
+
+ONE = Topology(0, 1, 0)
+
+
+def make_checkpoint(root, step: int):
+    """A checkpoint folder as save() leaves it: files, then zerotrain_state.json with their checksums."""
+    folder = root / "checkpoints" / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    torch.save({"w": torch.arange(1000, dtype=torch.float32) * step}, folder / "mp_rank_00_model_states.pt")
+    torch.save({"m": torch.ones(3000) * step}, folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "extra.bin").write_bytes(bytes(range(256)) * 10)
+    files = checksums(folder, ONE)
+    (folder / STATE).write_text(json.dumps({"step": step, "files": files}))
+    (root / "checkpoints" / "latest").write_text(folder.name)
+    return folder
+
+
+def test_checksums_cover_every_file_but_the_state(tmp_path):
+    folder = make_checkpoint(tmp_path, 2)
+    recorded = json.loads((folder / STATE).read_text())["files"]
+    assert sorted(recorded) == ["mp_rank_00_model_states.pt", "sub/extra.bin",
+                                "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert recorded["sub/extra.bin"]["bytes"] == 2560
+    assert damage(folder, ONE) is None
+
+
+def test_a_flipped_byte_is_named(tmp_path):
+    folder = make_checkpoint(tmp_path, 2)
+    victim = folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    assert damage(folder, ONE) == f"{victim} does not match its SHA-256 checksum"
+
+
+def test_a_truncated_or_missing_file_is_named(tmp_path):
+    folder = make_checkpoint(tmp_path, 2)
+    victim = folder / "mp_rank_00_model_states.pt"
+    size = victim.stat().st_size
+    victim.write_bytes(victim.read_bytes()[: size // 2])
+    assert damage(folder, ONE) == f"{victim} has {size // 2} bytes, {size} were written"
+    (folder / "sub" / "extra.bin").unlink()
+    assert damage(folder, ONE) == f"{victim} has {size // 2} bytes, {size} were written (and 1 more)"
+    victim.unlink()
+    (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    assert damage(folder, ONE) == f"{victim} is missing (and 2 more)"
+
+
+def test_an_unreadable_state_file_is_damage_and_an_old_one_without_checksums_is_not(tmp_path):
+    folder = make_checkpoint(tmp_path, 2)
+    (folder / STATE).write_text('{"step": 2, "fil')
+    assert damage(folder, ONE).startswith(f"{folder / STATE} cannot be read")
+    (folder / STATE).write_text('{"step": 2}')  # saved by a zerotrain before checksums
+    assert damage(folder, ONE) is None
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, capsys):
+    make_checkpoint(tmp_path, 2)
+    second = make_checkpoint(tmp_path, 4)
+    newest = make_checkpoint(tmp_path, 6)
+    (newest / "mp_rank_00_model_states.pt").write_bytes(b"garbage")
+    (second / "sub" / "extra.bin").write_bytes(b"")
+    chosen = usable(tmp_path, newest, ONE, fall_back=True)
+    assert chosen == tmp_path / "checkpoints" / "step-00000002"
+    warning = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged: {newest / 'mp_rank_00_model_states.pt'} has 7 bytes" in warning
+    assert f"checkpoint {second} is damaged" in warning
+    assert f"resuming from {chosen}, the newest intact checkpoint" in warning
+
+
+def test_no_intact_checkpoint_or_an_explicit_damaged_one_stops_with_one_line(tmp_path):
+    only = make_checkpoint(tmp_path, 2)
+    (only / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(ZerotrainError, match="no intact checkpoint is left to resume from") as err:
+        usable(tmp_path, only, ONE, fall_back=True)
+    assert "\n" not in str(err.value)
+    intact = make_checkpoint(tmp_path, 4)
+    (intact / "mp_rank_00_model_states.pt").write_bytes(b"")
+    make_checkpoint(tmp_path / "other", 2)
+    with pytest.raises(ZerotrainError, match=f"checkpoint {intact} is damaged"):
+        usable(tmp_path, intact, ONE, fall_back=False)  # training.resume named it: no silent substitute
+    assert usable(tmp_path, None, ONE, fall_back=True) is None
+
+
+def test_rng_state_loads_with_weights_only_and_restores_every_generator(tmp_path):
+    generator = torch.Generator().manual_seed(7)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    torch.save(rng_state({"objective": generator}), tmp_path / "rng-0.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, generator=generator).item())
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    generator.manual_seed(9)
+    restore_rng(torch.load(tmp_path / "rng-0.pt", weights_only=True), {"objective": generator})
+    assert (random.random(), np.random.rand(), torch.rand(1).item(),
+            torch.rand(1, generator=generator).item()) == expected
+
+
+def test_heartbeats_name_the_rank_that_stopped(monkeypatch):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    beats = [Heartbeat(Topology(rank, 3, rank), lost_after=1.5, interval=0.1, handover=60, environ=env)
+             for rank in range(3)]
+    try:
+        time.sleep(0.5)
+        assert [b.verdict(wait=0) for b in beats] == [None, None, None]
+        beats[2].stop()  # as a killed rank's thread would
+        started = time.monotonic()
+        assert beats[0].verdict(wait=10) == [2]
+        assert beats[1].verdict(wait=10) == [2]
+        assert time.monotonic() - started < 5
+        assert beats[0].describe().startswith("rank 2 was lost (no heartbeat for 2 s")
+    finally:
+        for beat in beats:
+            beat.stop()
+        del server
