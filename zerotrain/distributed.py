@@ -141,11 +141,18 @@ class Heartbeat:
         self._store = None
         env = os.environ if environ is None else environ
         if topo.world_size > 1 and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+            import sys
             from datetime import timedelta
 
-            self._store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                                                     timeout=timedelta(seconds=max(1.0, interval * 5)),
-                                                     wait_for_workers=False)
+            try:
+                self._store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                                                         is_master=False, wait_for_workers=False,
+                                                         timeout=timedelta(seconds=max(1.0, interval * 5)))
+            except (RuntimeError, ValueError) as err:  # the job trains on; only the naming of a lost rank is lost
+                print(f"zerotrain: warning: rank {topo.rank}: no heartbeat through the rendezvous store "
+                      f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} ({' '.join(str(err).split())[:160]}); a lost rank "
+                      "will be noticed only by faults.collective_timeout_seconds", file=sys.stderr, flush=True)
+                return
             self._thread = threading.Thread(target=self._run, name="zerotrain-heartbeat", daemon=True)
             self._thread.start()
 
