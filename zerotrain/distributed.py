@@ -222,16 +222,28 @@ class Heartbeat:
         self._store = None
 
 
-def shutdown(clean: bool) -> None:
+def shutdown(clean: bool, heartbeat: Heartbeat | None = None) -> None:
     """Leave the process group while the interpreter is fully alive. Without this, gloo's worker
-    threads may still hold finished work (tensors with Python references) when the interpreter
-    finalizes, and releasing them then needs the GIL: the process aborts with "terminate called
-    without an active exception" (exit -6) after its work was done (pytorch#190489, #179291).
+    threads may still hold finished work (tensors that own Python objects: DeepSpeed tags its
+    tensors with attributes) when the interpreter finalizes; releasing them then needs the GIL, the
+    thread is made to exit, and the process aborts with "terminate called without an active
+    exception" (exit -6) after its work was done (benchmarks/gloo_exit_abort.py reproduces it;
+    pytorch#190489, #179291).
     clean: every rank got here together, so a last barrier makes sure none is still inside a
-    collective of this group; after an error on some ranks only, no barrier (it would wait for
-    the collective timeout)."""
-    if not torch.distributed.is_initialized():
-        return
-    if clean:
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    collective of this group (the heartbeat still runs during it, so a rank lost there is named);
+    after an error on some ranks only, no barrier (it would wait for the collective timeout)."""
+    import sys
+
+    try:
+        if clean and torch.distributed.is_initialized():
+            try:
+                torch.distributed.barrier()
+            except RuntimeError as err:  # a rank that finished its work was lost on its way out
+                lost = heartbeat.verdict() if heartbeat is not None else None
+                print(f"zerotrain: warning: the last barrier failed ({heartbeat.describe() if lost else err}); "
+                      "this rank's work is complete", file=sys.stderr, flush=True)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

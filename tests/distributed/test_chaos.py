@@ -30,7 +30,7 @@ from zerotrain.distributed import Topology
 
 pytestmark = pytest.mark.distributed
 
-STEPS = 12
+STEPS = 16  # room for five stops of 1-2 steps each, plus the steps a signal overtakes
 COMMON = ("planner.offload=[none]", "training.mode=full", "training.resume=auto", "faults.lost_rank_seconds=5",
           "faults.collective_timeout_seconds=60")
 GRACE_S = 60
@@ -116,7 +116,9 @@ def test_kill9_of_one_rank_is_named_and_the_rerun_resumes(chaos, straight):
     overrides = (*COMMON, "planner.stages=[2]", f"training.max_steps={STEPS}", "training.checkpoint_every=2")
     result, seconds = interrupted(chaos, "kill-one", *overrides, after_steps=5, signals={1: signal.SIGKILL})
     assert result.returncodes[1] == -signal.SIGKILL
-    assert result.returncodes[0] == 2, result.tails()
+    # 2: the collective failed at once and the heartbeat named the lost rank; 3: the rank was blocked
+    # and the heartbeat thread ended it. Either way within a bounded time, with one line.
+    assert result.returncodes[0] in (2, 3), result.tails()
     assert seconds < 45, f"the surviving rank took {seconds:.0f} s to stop (lost_rank_seconds 5)"
     errors = [line for line in result.log.splitlines() if line.startswith("zerotrain: error:")]
     assert len(errors) == 1 and "rank 1 was lost" in errors[0], result.tails()
@@ -143,7 +145,7 @@ def test_kill9_of_every_rank_during_checkpoint_writes(chaos, straight):
         assert latest(killed.output_dir) == survivor, point
         assert_intact(killed.output_dir)
         if point == "optimizer":  # the kill came half-way through the file
-            name = next(checkpoints.glob("step-00000002/*optim_states.pt")).name
+            name = next(checkpoints.glob("step-00000002/*zero_pp_rank_0_*optim_states.pt")).name  # rank 0 wrote it
             assert (checkpoints / "step-00000004" / name).stat().st_size < \
                 (checkpoints / "step-00000002" / name).stat().st_size
             assert not (checkpoints / "step-00000004" / "zerotrain_state.json").exists()
