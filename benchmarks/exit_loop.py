@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.distributed.conftest import TINY_DATA, run_train
+from tests.distributed.conftest import run_train, tiny_data
 from zerotrain.models.tiny import ensure_tiny_pipeline
 
 
@@ -36,10 +36,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ensure_tiny_pipeline("tiny-flux", work / "cache" / "models")
-        base = [f"data.cache_dir={work / 'cache'}", f"planner.cache_dir={work / 'cache' / 'facts'}",
-                f"data.datasets=[{{path: '{TINY_DATA}', repeats: 1}}]", "planner.stages=[2]",
-                "planner.offload=[none]", "training.mode=full", f"training.max_steps={args.steps}",
-                "training.checkpoint_every=1000", "faults.inject_nan_at=[3]"]
+        base = [*tiny_data(work / "cache"), "planner.stages=[2]", "planner.offload=[none]", "training.mode=full",
+                f"training.max_steps={args.steps}", "training.checkpoint_every=1000", "faults.inject_nan_at=[3]"]
         runs = []
         for i in range(args.runs):
             result = run_train(work / f"run{i}", base, work / "logs", f"run{i}")

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.distributed.conftest import CONFIG, TINY_DATA, logged_steps, start_ranks, train_args
+from tests.distributed.conftest import CONFIG, logged_steps, start_ranks, tiny_data, train_args
 from zerotrain.models.tiny import ensure_tiny_pipeline
 
 WARM_UP = 200  # steps: allocator pools, the CPU Adam state and the first checkpoints settle by then
@@ -54,9 +54,8 @@ def main() -> int:
         work = Path(tmp)
         ensure_tiny_pipeline("tiny-flux", work / "cache" / "models")
         out = work / "run"
-        overrides = [f"data.cache_dir={work / 'cache'}", f"planner.cache_dir={work / 'cache' / 'facts'}",
-                     f"data.datasets=[{{path: '{TINY_DATA}', repeats: 1}}]", f"planner.stages=[{args.stage}]",
-                     "planner.offload=[none]", "training.mode=full", f"training.max_steps={args.steps}",
+        overrides = [*tiny_data(work / "cache"), f"planner.stages=[{args.stage}]", "planner.offload=[none]",
+                     "training.mode=full", f"training.max_steps={args.steps}",
                      f"training.checkpoint_every={args.checkpoint_every}", "logging.every=10"]
         started = time.monotonic()
         procs, logs = start_ranks([sys.executable, "-u", *train_args(out, overrides)], work / "logs", "soak")

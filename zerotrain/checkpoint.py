@@ -18,8 +18,9 @@ zerotrain's own files load with weights_only=True or are JSON: rng-<rank>.pt hol
 and plain numbers. DeepSpeed's own files (model and optimizer states) are pickles that may hold
 code: a checkpoint from someone else is to be trusted like code.
 
-A checkpoint saved by another number of processes, or under another ZeRO stage, cannot be loaded
-as it is (DeepSpeed's optimizer files are partitioned per rank). It is converted once, by rank 0,
+A checkpoint saved by another number of processes cannot be loaded as it is (DeepSpeed's optimizer
+files are partitioned per rank). A resume keeps the ZeRO stage the checkpoint was saved under
+(resume_stage: DeepSpeed cannot load one into another stage). It is converted once, by rank 0,
 with DeepSpeed's universal checkpointing (deepspeed.checkpoint.ds_to_universal) into
 <tag>/universal/, which every rank then loads with the config's checkpoint.load_universal. The
 sampler re-partitions by global position (data/sampler.py), so no sample of the epoch repeats or
@@ -344,10 +345,34 @@ def saved_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((checkpoint / STATE).read_text())
 
 
+def resume_stage(run: Any, checkpoint: Path) -> Any:
+    """The run config a resume plans with: planner.stages narrowed to the ZeRO stage the checkpoint
+    was saved under. DeepSpeed 0.19 cannot load a checkpoint into another stage, not even through
+    universal checkpointing (between ZeRO 0-2 and ZeRO-3 it opens the model-states file under the
+    loading stage's name, and ds_to_universal's optimizer_state.pt differs: KeyError
+    'optimizer_state_dict', "Empty ds_version"); the number of processes may change. A run whose
+    planner.stages exclude the saved stage stops with one line."""
+    stage = saved_state(checkpoint).get("zero_stage")
+    if stage is None or list(run.planner.stages) == [stage]:
+        return run
+    if stage not in run.planner.stages:
+        raise ZerotrainError(f"{checkpoint} was saved under ZeRO-{stage}, which planner.stages={list(run.planner.stages)} "
+                             f"excludes; a checkpoint resumes under the ZeRO stage it was saved with (on any number of "
+                             f"GPUs): add {stage} to planner.stages, or start over with training.resume=none")
+    return run.model_copy(update={"planner": run.planner.model_copy(update={"stages": [stage]})})
+
+
 def needs_universal(checkpoint: Path, world_size: int, zero_stage: int) -> bool:
-    """Whether the checkpoint was partitioned for another world size or ZeRO stage than this run's."""
+    """Whether the checkpoint was partitioned for another world size than this run's (and so must be
+    converted to a universal checkpoint). Another ZeRO stage (a given DeepSpeed JSON's) is refused
+    with one line: see resume_stage."""
     state = saved_state(checkpoint)
-    return (state.get("world_size"), state.get("zero_stage")) != (world_size, zero_stage)
+    if state.get("zero_stage") not in (None, zero_stage):
+        raise ZerotrainError(f"{checkpoint} was saved under ZeRO-{state['zero_stage']}, this run's DeepSpeed config "
+                             f"uses ZeRO-{zero_stage}; a checkpoint resumes under the ZeRO stage it was saved with "
+                             f"(on any number of GPUs): set zero_optimization.stage to {state['zero_stage']}, or "
+                             "start over with training.resume=none")
+    return state.get("world_size") != world_size
 
 
 def make_universal(checkpoint: Path, topo: Topology) -> Path:

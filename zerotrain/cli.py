@@ -151,6 +151,8 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     spec = resolve_model(run.model)
     facts = measure_model(spec, run, cache=not args.no_cache)
     result = plan(facts, hw, run)
+    if spec.plan_only:
+        result.reasons.append(f"{spec.name} is plan-only: zerotrain cannot cache or train SD 1.x/2.x UNets")
     if result.chosen is None:
         result.suggestions = suggestions(spec, facts, hw, run)
     config = None

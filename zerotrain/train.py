@@ -31,6 +31,7 @@ from zerotrain.checkpoint import (
     make_universal,
     needs_universal,
     restore_rng,
+    resume_stage,
     rng_state,
     save,
     usable,
@@ -47,7 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, required=True, help="run config (YAML, JSON or TOML)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks and all library output (as logging.verbose: true)")
     return parser.parse_args(argv)
 
 
@@ -161,6 +163,12 @@ def collective_failure(err: BaseException) -> bool:
 
 def train(args: argparse.Namespace) -> int:
     """Start-up, the process group, and one orderly way out of it on every rank (fit() is the run)."""
+    from zerotrain.quiet import quiet_libraries
+
+    # Parse and validate everything before any model loads; hide the library output nobody needs
+    # to read before the libraries load (DeepSpeed may log as it is imported).
+    run = load_config(args.config, args.overrides)
+    quiet_libraries(args.debug or run.logging.verbose, topology().rank)
     import deepspeed
 
     from zerotrain.models.catalog import resolve_model
@@ -168,8 +176,6 @@ def train(args: argparse.Namespace) -> int:
 
     # The allocator setting the planner's fragmentation constant assumes (before any CUDA allocation).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    # Parse and validate everything before any model loads.
-    run = load_config(args.config, args.overrides)
     slurm_rendezvous()
     topo = topology()
     spec = resolve_model(run.model)
@@ -198,10 +204,9 @@ def train(args: argparse.Namespace) -> int:
         raise ZerotrainError(f"rank {topo.rank}: {what}; stopping; {where}: resume with the same command "
                              "(training.resume: auto)") from err
     finally:
-        # Every rank leaves the same way: heartbeat stopped, then the process group destroyed (after
-        # a last barrier when every rank finished), while the interpreter is fully alive.
-        heartbeat.stop()
-        shutdown(clean=finished)
+        # Every rank leaves the same way: a last barrier when every rank finished, the heartbeat
+        # stopped, the process group destroyed, while the interpreter is fully alive.
+        shutdown(clean=finished, heartbeat=heartbeat)
 
     # Close: rank 0 exports weights diffusers loads, from the final checkpoint every rank has
     # finished writing (save() ends with a barrier). The process group is gone: a long export (a
@@ -226,7 +231,9 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
 
     device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
 
-    # Plan, and record the run.
+    # Plan (a resume keeps the checkpoint's ZeRO stage), and record the run.
+    if checkpoint is not None:
+        run = resume_stage(run, checkpoint)
     ds_config, plan_result, layout, hw = plan_deepspeed(run, spec, topo)
     peak_flops = hw.peak_bf16_flops if device.type == "cuda" else None
     write_run_folder(run, ds_config, plan_result, topo)
@@ -316,6 +323,7 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
             validate(0)
         while step < run.training.max_steps:
             at_start = rng_state(generators)  # to checkpoint this boundary if the step is abandoned
+            lr = engine.get_lr()[0]  # this step's learning rate (engine.step() moves the schedule on)
             times = StepTimes()
             losses = []
             stopping = False
@@ -328,6 +336,8 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
                 inputs = objective.prepare(batch, generator)
                 kwargs = to_device(inputs.model_kwargs, device)
                 times.lap("data")
+                if step + 1 in faults.inject_oom_at:  # every rank, as a failed CUDA allocation would
+                    raise torch.OutOfMemoryError(f"CUDA out of memory (faults.inject_oom_at, step {step + 1})")
                 pred = engine(**kwargs, return_dict=False)[0]
                 loss = objective.loss(pred, dataclasses.replace(inputs, target=inputs.target.to(device),
                                                                 weights=None if inputs.weights is None
@@ -362,7 +372,7 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
             skipped = not engine.was_step_applied()
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
-            monitor.step(step, sampler.state_dict()["epoch"], mean_loss.item(), engine.get_lr()[0],
+            monitor.step(step, sampler.state_dict()["epoch"], mean_loss.item(), lr,
                          grad_norm, times, skipped)
             monitor.memory_check(step)
             if ema is not None and not skipped:

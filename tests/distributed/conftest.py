@@ -150,6 +150,13 @@ def shared_cache(tmp_path_factory) -> Path:
     return cache
 
 
+def tiny_data(cache: Path) -> list[str]:
+    """Overrides for a run on the bundled images (once each per epoch: 8 samples) with the data
+    cache, the tiny model folders and the planner's facts under `cache`."""
+    return [f"data.cache_dir={cache}", f"planner.cache_dir={cache / 'facts'}",
+            f"data.datasets=[{{path: '{TINY_DATA}', repeats: 1}}]"]
+
+
 class Trainer:
     """train(name, *overrides) runs examples/tiny-cpu.yaml on two ranks with output_dir
     tmp_path/name, the shared cache, the bundled images once each per epoch (8 samples), and
@@ -164,9 +171,7 @@ class Trainer:
         self.tmp_path = tmp_path
         # Every tiny parameter is below ZeRO-3's default persistence threshold (100k elements), which
         # would keep them all whole on every rank: with 0, ZeRO-3 runs partition and gather for real.
-        self.base = [f"data.cache_dir={cache}", f"planner.cache_dir={cache / 'facts'}",
-                     f"data.datasets=[{{path: '{TINY_DATA}', repeats: 1}}]",
-                     "planner.stage3_param_persistence_threshold=0"]
+        self.base = [*tiny_data(cache), "planner.stage3_param_persistence_threshold=0"]
         self.calls = 0
 
     def run_config(self, *overrides: str):

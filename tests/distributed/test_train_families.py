@@ -11,7 +11,7 @@ Cases (global batch 2, micro 1 per rank, 64 px buckets, constant LR, no warmup):
 
 Every case also renders validation images through the family's diffusers pipeline with the model
 being trained (3 prompts on 2 ranks, so one rank pads; at steps 0, 6 and 12), checked by
-check_validation_images.
+check_validation_images, and prints zerotrain's lines without the library noise (quiet_output.py).
 
 The planner never chooses an offload it does not need (planner.offload lists what it may use,
 and "none" is always a candidate), so the offload case passes a DeepSpeed JSON of its own through
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
+
+from tests.distributed.quiet_output import assert_quiet
 
 pytestmark = pytest.mark.distributed
 
@@ -152,6 +154,7 @@ def test_loss_goes_down(train, tmp_path, case):
         overrides.append(f"deepspeed={offload_config(train, case, overrides, tmp_path / 'offload.json')}")
     result = train(case.id, *overrides).check()
     run_dir = result.output_dir
+    assert_quiet(result)
 
     missing = [name for name in RUN_FILES if not (run_dir / name).exists()]
     assert not missing, f"{run_dir} lacks {missing}"

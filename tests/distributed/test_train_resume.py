@@ -8,6 +8,11 @@ tiny-flux on two CPU ranks (gloo), global batch 2 (micro 1 per rank), on the 8 b
     B   3 steps (max_steps=3, checkpoint at step 3), then the same command with max_steps=6:
         resume=auto finds B/checkpoints/latest and continues; metrics.jsonl appends steps 4-6
 
+The learning rate warms up over 4 steps, then follows a cosine to step 6, so B resumes in the
+middle of the warmup (its first part, with max_steps=3, is all warmup, which does not depend on
+max_steps): every step's learning rate in metrics.jsonl must be the schedule's (LR_MULTIPLIERS),
+in both runs.
+
 The runs render validation images with the EMA weights every 3 steps (swapped in and out of
 the engine: the losses must not notice), and keep an EMA of the weights (decay 0.8 from step 1)
 and export it: the EMA is saved with
@@ -31,6 +36,10 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 STEPS, CHECKPOINT_AT = 6, 3
+WARMUP = 4
+# The multiplier of optimizer.lr at steps 1-6: warmup k/4, then cosine over the remaining 2 steps
+# (see tests/unit/test_lr_schedule.py).
+LR_MULTIPLIERS = [0.25, 0.5, 0.75, 1.0, 1.0, 0.5]
 
 
 def exported_tensors_in(folder):
@@ -52,7 +61,7 @@ def test_resumed_run_matches_uninterrupted_run(train, stage):
               f"training.checkpoint_every={CHECKPOINT_AT}", "training.resume=auto",
               "ema.enabled=true", "ema.decay=0.8", "ema.start_step=1", "ema.export=true",
               "validation.prompts=[a red square]", f"validation.every={CHECKPOINT_AT}", "validation.steps=2",
-              "validation.use_ema=true")
+              "validation.use_ema=true", f"optimizer.warmup_steps={WARMUP}", "optimizer.schedule=cosine")
     a = train("A", *common, f"training.max_steps={STEPS}").check()
     b1 = train("B", *common, f"training.max_steps={CHECKPOINT_AT}").check()
     assert "resumed from" not in b1.log
@@ -70,6 +79,9 @@ def test_resumed_run_matches_uninterrupted_run(train, stage):
     assert [r["step"] for r in records_a] == list(range(1, STEPS + 1))
     assert [r["step"] for r in records_b] == list(range(1, STEPS + 1)), "metrics.jsonl should hold steps 1-3, then 4-6"
     assert [r["epoch"] for r in records_b] == [r["epoch"] for r in records_a] == [0, 0, 0, 0, 1, 1]
+    peak = train.run_config(*common).optimizer.lr
+    assert [r["lr"] for r in records_a] == pytest.approx([peak * m for m in LR_MULTIPLIERS], rel=1e-9), \
+        "metrics.jsonl must log the learning rate each step used"
     assert [r["lr"] for r in records_b] == [r["lr"] for r in records_a]
     losses_a, losses_b = a.losses(), b2.losses()
     print(f"ZeRO-{stage} losses: uninterrupted {losses_a} resumed {losses_b}; seconds A {a.seconds:.0f} "

@@ -212,6 +212,26 @@ def test_full_export_is_the_trained_model_and_generates(runs, models, pipelines,
     assert not torch.allclose(before, after)
 
 
+def test_export_command_writes_a_folder_diffusers_loads(runs, tmp_path):
+    """`zerotrain export RUN --out DIR` as a user runs it (the installed console script), on the
+    ZeRO-3 run (consolidated offline by DeepSpeed): it exits 0, names the folder, and the folder
+    loads with diffusers' from_pretrained, holding the weights the engine held."""
+    from diffusers import FluxTransformer2DModel
+
+    script = Path(sys.executable).with_name("zerotrain")
+    assert script.is_file(), f"{script} is missing: install the package (pip install -e .)"
+    run_dir, out = runs / case_name("tiny-flux", 3, "full"), tmp_path / "exported"
+    result = subprocess.run([str(script), "export", str(run_dir), "--out", str(out)], capture_output=True, text=True,
+                            timeout=300, check=False, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert result.stdout.splitlines()[-1] == f"exported to {out}", result.stdout[-2000:]
+    loaded = FluxTransformer2DModel.from_pretrained(out / "transformer", torch_dtype=torch.bfloat16).state_dict()
+    held = engine_weights(run_dir)
+    assert loaded.keys() == held.keys()
+    differ = [name for name, tensor in held.items() if not torch.equal(loaded[name], tensor)]
+    assert not differ, f"{len(differ)} tensors differ from the engine's, e.g. {differ[:3]}"
+
+
 def test_zero3_checkpoint_modules_are_empty_but_the_export_is_not(runs):
     """The premise: ZeRO-3's saved module holds size-0 partitions (kohya#1782)."""
     states = torch.load(runs / case_name("tiny-flux", 3, "full") / "checkpoints" / TAG /

@@ -74,12 +74,50 @@ def test_plans_from_a_saved_folder_and_a_config_json(tmp_path, capsys):
 
 
 def test_nothing_fits_exits_1_with_suggestions(capsys):
-    code = main(["plan", "--model", "flux-dev", "--gpus", "1xRTX4090-24GB", "--mode", "full",
-                 "--global-batch", "1", "--set", "planner.offload=[none]"])
+    """A flux-dev full fine-tune on one 24 GB GPU without offload: the suggestions are exactly the
+    changes that fit, each true when planned again. Its bf16 weights alone (23.8 GB) exceed the
+    budget, so plain LoRA is not suggested, LoRA over a qint8 base is; more nodes of the same GPU
+    are the fewest that fit."""
+    import re
+
+    from zerotrain.cli import config_from_args
+    from zerotrain.hardware import hardware_facts
+    from zerotrain.planner.facts import measure_model
+    from zerotrain.planner.search import plan
+
+    argv = ["plan", "--model", "flux-dev", "--gpus", "1xRTX4090-24GB", "--mode", "full",
+            "--global-batch", "1", "--set", "planner.offload=[none]"]
+    code = main(argv)
     out = capsys.readouterr().out
     assert code == 1
     assert "Nothing fits" in out and "What would make it fit:" in out
-    assert "more GPUs" in out or "LoRA" in out
+    lines = out.split("What would make it fit:\n", 1)[1].splitlines()
+    assert len(lines) == 3, lines
+    nodes = re.fullmatch(r"  - more GPUs: (\d+) nodes of 1 GPUs \(global batch (\d+)\)", lines[0])
+    memory = re.fullmatch(r"  - GPUs with at least (\d+\.\d) GiB each", lines[1])
+    assert nodes and memory, lines
+    assert lines[2] == "  - LoRA over a qint8-quantized base: --mode lora --quantize qint8"
+
+    def fits(*overrides: str) -> bool:
+        from zerotrain.cli import build_parser
+
+        args = build_parser().parse_args([*argv, *[a for o in overrides for a in ("--set", o)]])
+        run = config_from_args(args)
+        return plan(measure_model(resolve_model(run.model), run), hardware_facts(run.hardware), run).chosen is not None
+
+    n = int(nodes.group(1))
+    assert int(nodes.group(2)) == n  # one image per GPU: the smallest global batch n GPUs can take
+    assert fits(f"hardware.nodes={n}", f"training.global_batch_size={n}")
+    assert not fits(f"hardware.nodes={n - 1}", f"training.global_batch_size={n - 1}")
+    assert fits("training.mode=lora", "training.quantize_base=qint8")
+    assert not fits("training.mode=lora")
+    assert fits("hardware.gpus=1", f"hardware.gpu_memory={memory.group(1)}GiB")
+
+
+def test_a_plan_only_model_plans_and_says_so(capsys):
+    assert main(["plan", "--model", "sd1.5", "--resolution", "256", "--gpus", "1xA100-80GB", "--json"]) == 0
+    reasons = json.loads(capsys.readouterr().out)["plan"]["reasons"]
+    assert reasons[-1] == "sd1.5 is plan-only: zerotrain cannot cache or train SD 1.x/2.x UNets"
 
 
 @pytest.mark.parametrize("args,expected", [

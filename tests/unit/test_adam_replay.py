@@ -33,10 +33,16 @@ def train(resume_at: int | None, replay: bool) -> torch.Tensor:
     return param.detach().clone()
 
 
+# Where a resume without the replay drifts (DeepSpeed 0.19's CPU Adam, measured): pow() and the
+# running product of beta^t differ in the last bit only at some steps. The replay must matter at
+# these resume points, or this test would not show that it works.
+DRIFTS_WITHOUT_REPLAY = [2, 5]
+
+
 def test_replay_makes_every_resume_point_exact():
     pytest.importorskip("deepspeed")
     straight = train(None, replay=False)
     exact = [torch.equal(straight, train(k, replay=True)) for k in range(1, STEPS)]
     assert all(exact), f"resumed at steps {[k for k, ok in enumerate(exact, 1) if not ok]} drift"
-    drifted = [not torch.equal(straight, train(k, replay=False)) for k in range(1, STEPS)]
-    print(f"without the replay, resuming at steps {[k for k, d in enumerate(drifted, 1) if d]} drifts")
+    drifted = [k for k in range(1, STEPS) if not torch.equal(straight, train(k, replay=False))]
+    assert drifted == DRIFTS_WITHOUT_REPLAY, f"without the replay, resuming at steps {drifted} drifts"

@@ -214,6 +214,42 @@ def test_unknown_name_lists_catalog_and_other_forms():
     message = one_line_error("flux-pro", "no catalog entry")
     assert all(name in message for name in catalog_names())
     assert "config.json" in message and "hub id" in message
+    assert "sd1.5 (plan only)" in message and message.count("(plan only)") == 1
+
+
+def test_sd15_is_plan_only_and_cache_and_training_refuse_it_in_one_line(tmp_path, capsys):
+    """sd1.5 (an SD 1.x UNet) plans, but zerotrain cannot encode its captions: the catalog listing
+    marks it, and `zerotrain cache` and training (both through prepare()) stop with one line
+    before fetching anything."""
+    from zerotrain.cli import main
+    from zerotrain.data.prepare import prepare
+    from zerotrain.distributed import Topology
+    from zerotrain.models.catalog import catalog_listing, check_trainable
+
+    assert [n for n in catalog_names() if resolve_model(ModelConfig(name_or_path=n)).plan_only] == ["sd1.5"]
+    assert "sd1.5 (plan only)" in catalog_listing() and "sdxl-base (plan only)" not in catalog_listing()
+    expected = "model.name_or_path='sd1.5' is plan-only: zerotrain plans SD 1.x/2.x UNets but cannot cache or train them"
+    spec = resolve_model(ModelConfig(name_or_path="sd1.5"))
+    with pytest.raises(ZerotrainError) as err:
+        check_trainable(spec)
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    for name in ("sdxl-base", "tiny-sdxl", "flux-dev", "sd3.5-medium"):
+        check_trainable(resolve_model(ModelConfig(name_or_path=name)))
+
+    root = Path(__file__).resolve().parents[2]
+    overrides = ["model.name_or_path=sd1.5", "data.resolution=512", f"data.cache_dir={tmp_path / 'cache'}",
+                 f"data.datasets=[{{path: '{root / 'examples' / 'tiny-data'}'}}]"]
+    assert main(["cache", "--config", str(root / "examples" / "tiny-cpu.yaml"),
+                 *[arg for o in overrides for arg in ("--set", o)]]) == 2
+    err_text = capsys.readouterr().err
+    assert err_text.startswith(f"zerotrain: error: {expected}") and err_text.count("\n") == 1, err_text
+    assert not (tmp_path / "cache").exists(), "nothing may be fetched or written for a plan-only model"
+
+    from zerotrain.config import load_config
+
+    run = load_config(root / "examples" / "tiny-cpu.yaml", overrides)
+    with pytest.raises(ZerotrainError, match="is plan-only"):  # what train.py calls on every rank
+        prepare(run, spec, Topology(0, 2, 0))
 
 
 def test_malformed_config_json(tmp_path):

@@ -139,3 +139,22 @@ def test_heartbeats_name_the_rank_that_stopped(monkeypatch):
         for beat in beats:
             beat.stop()
         del server
+
+
+def test_a_resume_keeps_the_zero_stage_it_was_saved_under(tmp_path):
+    from pathlib import Path
+
+    from zerotrain.checkpoint import needs_universal, resume_stage
+    from zerotrain.config import load_config
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+    folder = make_checkpoint(tmp_path, 2)
+    (folder / STATE).write_text(json.dumps({"step": 2, "world_size": 2, "zero_stage": 2}))
+    run = load_config(config, [])
+    assert resume_stage(run, folder).planner.stages == [2]  # the search may change only the world size
+    assert run.planner.stages == [0, 1, 2, 3]
+    with pytest.raises(ZerotrainError, match=r"saved under ZeRO-2, which planner.stages=\[3\] excludes"):
+        resume_stage(load_config(config, ["planner.stages=[3]"]), folder)
+    assert needs_universal(folder, 1, 2) and not needs_universal(folder, 2, 2)
+    with pytest.raises(ZerotrainError, match="this run's DeepSpeed config uses ZeRO-3; a checkpoint resumes under"):
+        needs_universal(folder, 2, 3)

@@ -54,6 +54,24 @@ def test_inconsistent_batch_numbers_are_one_line_errors(given, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("value", [False, 0, "false", "off"])
+def test_a_given_config_without_the_bf16_overflow_check_is_refused(value):
+    """zerotrain skips a step with non-finite gradients through DeepSpeed's bf16 overflow check
+    (tests/distributed/test_bad_gradients.py shows a step applied without it). DeepSpeed reads
+    0, "false" and "off" as false too."""
+    given = {"train_batch_size": 8, "bf16": {"enabled": True, "check_grad_overflow": value}}
+    with pytest.raises(ZerotrainError) as err:
+        complete_given(given, "deepspeed=x.json", run_with(), world_size=2, default_micro=1)
+    assert str(err.value) == ("deepspeed=x.json: bf16.check_grad_overflow is false, so a NaN or inf gradient would "
+                              "be applied to the weights; zerotrain skips such steps through it: remove the setting")
+
+
+@pytest.mark.parametrize("bf16", [{"enabled": True, "check_grad_overflow": True}, {"enabled": True}])
+def test_a_given_config_with_the_bf16_overflow_check_is_kept(bf16):
+    config = complete_given({"train_batch_size": 8, "bf16": bf16}, "x", run_with(), world_size=2, default_micro=1)
+    assert config["bf16"] == bf16
+
+
 def test_missing_sections_are_filled_and_given_ones_kept():
     given = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 5e-5}},
              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}

@@ -67,9 +67,35 @@ def test_mfu_uses_the_planners_flops_and_the_gpu_peak(tmp_path):
     assert monitor.mfu(images_per_second=400.0) == pytest.approx(1e12 * 400 / 1e15)
 
 
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 def test_progress_bar_and_tensorboard(tmp_path):
     monitor = make_monitor(tmp_path, [], progress_bar="always", tensorboard=True)
     monitor.step(1, 0, 1.0, 1e-4, 1.5, times(1.0), skipped=False)
     monitor.log("a line above the bar")
+    monitor.step(2, 1, 0.5, 2e-4, None, times(2.0), skipped=True)
     monitor.close()
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    logged = tensorboard_scalars(tmp_path)
+    assert logged["train/loss"] == [(1, 1.0), (2, 0.5)]
+    assert logged["train/lr"] == [(1, pytest.approx(1e-4)), (2, pytest.approx(2e-4))]
+    assert logged["train/grad_norm"] == [(1, 1.5)], "an unknown gradient norm is not written"
+    assert logged["train/skipped_steps"] == [(1, 0), (2, 1)]
+    assert logged["train/epoch"] == [(1, 0), (2, 1)]
+    assert logged["perf/images_per_second"] == [(1, 8.0), (2, 4.0)]
+    assert logged["perf/step_seconds"] == [(1, 1.0), (2, 2.0)]
+    assert logged["perf/forward_backward_seconds"] == [(1, pytest.approx(0.7)), (2, pytest.approx(1.4))]
+    assert not any(tag.startswith("memory/") for tag in logged) and "perf/mfu" not in logged  # no GPU
+
+    # A resumed run (from step 1) logs step 2 again: TensorBoard keeps only the new value.
+    monitor = make_monitor(tmp_path, [], start_step=1, tensorboard=True)
+    monitor.step(2, 1, 0.25, 2e-4, 1.0, times(1.0), skipped=False)
+    monitor.close()
+    logged = tensorboard_scalars(tmp_path)
+    assert logged["train/loss"] == [(1, 1.0), (2, 0.25)]
+    assert logged["train/skipped_steps"] == [(1, 0), (2, 0)]

@@ -215,9 +215,13 @@ class OptimizerConfig(_Section):
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """Learning-rate schedule after warmup."""
+    """Learning-rate schedule after warmup: constant keeps the peak; linear and cosine decay from the
+    peak towards 0 over the remaining steps without reaching it (linear's last step uses lr /
+    (max_steps - warmup_steps)). A step skipped for a non-finite loss or gradient does not advance
+    the schedule."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warmup from 0 over this many optimizer steps."""
+    """Linear warmup over this many optimizer steps: step k (counted from 1) uses lr x k /
+    warmup_steps, so the first step trains at lr / warmup_steps and step warmup_steps at the peak."""
 
 
 class HardwareConfig(_Section):
@@ -346,6 +350,9 @@ class FaultsConfig(_Section):
     """For tests: optimizer steps whose loss is made NaN on rank 0 (exercises the bad-step path)."""
     inject_save_failure_at: list[int] = []
     """For tests: steps whose checkpoint fails to write on rank 0, as with a full disk."""
+    inject_oom_at: list[int] = []
+    """For tests: optimizer steps whose forward raises torch.OutOfMemoryError on every rank, as
+    CUDA does when an allocation fails (exercises the out-of-memory message)."""
     collective_timeout_seconds: float = Field(1800.0, gt=0)
     """Timeout of the process group's collectives: a rank that waits this long for the others
     stops with an error instead of hanging. It must exceed the longest one-rank pause every other
@@ -369,6 +376,10 @@ class LoggingConfig(_Section):
     """A rich progress bar on rank 0: auto shows it when stdout is a terminal, plain lines otherwise."""
     memory_check_step: int = Field(3, ge=1)
     """After this step, one line compares the planner's predicted peak memory with the measured one."""
+    verbose: bool = False
+    """Show all library output: the known-harmless warnings, DeepSpeed's info lines, library progress
+    bars and the other ranks' library info that a run hides by default (zerotrain/quiet.py lists
+    them). train.py's --debug does the same."""
 
 
 class RunConfig(_Section):

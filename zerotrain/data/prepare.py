@@ -24,7 +24,7 @@ from zerotrain.data.dataset import Discovery, Verdict, discover, enforce
 from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
 from zerotrain.distributed import Topology, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import ModelSpec
+from zerotrain.models.catalog import ModelSpec, check_trainable
 
 
 @dataclass
@@ -64,6 +64,7 @@ def bucket_sampler(prepared: Prepared, global_batch: int, micro_batch: int, topo
 
 def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch.device = "cpu") -> Prepared:
     """Everything up to a cache that holds every usable sample. Every rank calls it."""
+    check_trainable(spec)  # on every rank, before rank 0 alone fetches the model
     discovery = discover(run.data)
     from zerotrain.models.conditioning import encoders_identity
 

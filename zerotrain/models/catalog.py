@@ -78,10 +78,33 @@ class ModelSpec:
 
         return getattr(diffusers, self.class_name)
 
+    @property
+    def plan_only(self) -> bool:
+        """An SD 1.x/2.x-style UNet (without SDXL's text_time conditioning): the planner measures
+        and plans it, but zerotrain encodes captions for Flux, SD3 and SDXL only, so it can neither
+        cache nor train it."""
+        return self.family == "unet" and self.config.get("addition_embed_type") != "text_time"
+
+
+def check_trainable(spec: ModelSpec) -> None:
+    """Raise one line for a plan-only model (see ModelSpec.plan_only). prepare() calls it on every
+    rank (for `zerotrain cache` and training) before anything is fetched or encoded."""
+    if spec.plan_only:
+        raise ZerotrainError(
+            f"{_FIELD}='{spec.name}' is plan-only: zerotrain plans SD 1.x/2.x UNets but cannot cache or train "
+            "them (it encodes captions for Flux, SD3 and SDXL only); use it with zerotrain plan, or train a "
+            "Flux, SD3 or SDXL model"
+        )
+
 
 def catalog_names() -> list[str]:
     """Names accepted as model.name_or_path without any file or network access."""
     return sorted(path.stem for path in _CATALOG_DIR.glob("*.json"))
+
+
+def catalog_listing() -> str:
+    """The catalog names for people to read, each plan-only one marked so."""
+    return ", ".join(f"{name} (plan only)" if _from_catalog(name).plan_only else name for name in catalog_names())
 
 
 def resolve_model(config: ModelConfig) -> ModelSpec:
@@ -99,7 +122,7 @@ def resolve_model(config: ModelConfig) -> ModelSpec:
         return _from_hub(name, config.subfolder, config.revision)
     raise ZerotrainError(
         f"{_FIELD}='{name}': no catalog entry, file or folder of that name; use one of "
-        f"{', '.join(catalog_names())}, a diffusers config.json, a local diffusers model folder, "
+        f"{catalog_listing()}, a diffusers config.json, a local diffusers model folder, "
         "or a hub id like black-forest-labs/FLUX.1-dev"
     )
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import ModelSpec
+from zerotrain.models.catalog import ModelSpec, check_trainable
 from zerotrain.models.families import DENOISER_FOLDER
 
 if TYPE_CHECKING:
@@ -249,11 +249,7 @@ def sdxl_time_ids(
 def _pipeline_class(spec: ModelSpec) -> Any:
     import diffusers
 
-    if spec.family == "unet" and spec.config.get("addition_embed_type") != "text_time":
-        raise ZerotrainError(
-            f"model.name_or_path='{spec.name}': a UNet without SDXL's text_time conditioning (SD 1.x/2.x); "
-            "zerotrain encodes captions for Flux, SD3 and SDXL models only"
-        )
+    check_trainable(spec)
     return getattr(diffusers, PIPELINES[spec.family])
 
 

@@ -163,10 +163,22 @@ def complete_given(given: dict[str, Any], source: str, run: RunConfig, world_siz
     own = deepspeed_config(Layout(0, micro_batch=micro, accumulation=accumulation), run, world_size)
     for key in FILLED_KEYS:
         config.setdefault(key, own[key])
-    if isinstance(config.get("bf16"), dict) and config["bf16"].get("check_grad_overflow") is False:
+    if isinstance(config.get("bf16"), dict) and _read_as_false(config["bf16"].get("check_grad_overflow", True)):
         raise ZerotrainError(f"{source}: bf16.check_grad_overflow is false, so a NaN or inf gradient would be "
                              "applied to the weights; zerotrain skips such steps through it: remove the setting")
     return config
+
+
+def _read_as_false(value: Any) -> bool:
+    """Whether DeepSpeed reads a boolean setting as false: its config models are pydantic's, which
+    also take 0, "false", "no" and "off" for False. A value that is no boolean at all is left to
+    DeepSpeed's own validation."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(bool).validate_python(value) is False
+    except ValidationError:
+        return False
 
 
 def layout_of(config: dict[str, Any], gradient_checkpointing: bool) -> Layout:
