@@ -1,21 +1,19 @@
 """Checkpoint integrity without a process group: checksums recorded at save, damage found at
 resume (a flipped byte, a truncated or missing file, an unreadable state file), the fallback to
 the previous intact checkpoint, random-generator state that loads with weights_only=True, and the
-heartbeats that name a lost rank."""
+ZeRO stage a resume keeps."""
 
 from __future__ import annotations
 
 import json
 import random
-import socket
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from zerotrain.checkpoint import STATE, checksums, damage, restore_rng, rng_state, usable
-from zerotrain.distributed import Heartbeat, Topology
+from zerotrain.distributed import Topology
 from zerotrain.errors import ZerotrainError
 
 ONE = Topology(0, 1, 0)
@@ -116,29 +114,6 @@ def test_rng_state_loads_with_weights_only_and_restores_every_generator(tmp_path
     restore_rng(torch.load(tmp_path / "rng-0.pt", weights_only=True), {"objective": generator})
     assert (random.random(), np.random.rand(), torch.rand(1).item(),
             torch.rand(1, generator=generator).item()) == expected
-
-
-def test_heartbeats_name_the_rank_that_stopped(monkeypatch):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    beats = [Heartbeat(Topology(rank, 3, rank), lost_after=1.5, interval=0.1, handover=60, environ=env)
-             for rank in range(3)]
-    try:
-        time.sleep(0.5)
-        assert [b.verdict(wait=0) for b in beats] == [None, None, None]
-        beats[2].stop()  # as a killed rank's thread would
-        started = time.monotonic()
-        assert beats[0].verdict(wait=10) == [2]
-        assert beats[1].verdict(wait=10) == [2]
-        assert time.monotonic() - started < 5
-        assert beats[0].describe().startswith("rank 2 was lost (no heartbeat for 2 s")
-    finally:
-        for beat in beats:
-            beat.stop()
-        del server
 
 
 def test_a_resume_keeps_the_zero_stage_it_was_saved_under(tmp_path):
