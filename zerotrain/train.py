@@ -162,13 +162,18 @@ def collective_failure(err: BaseException) -> bool:
 
 
 def train(args: argparse.Namespace) -> int:
-    """Start-up, the process group, and one orderly way out of it on every rank (fit() is the run)."""
+    """Parse and validate everything before any model loads, and hide the library output nobody
+    needs to read before the libraries load (DeepSpeed may log as it is imported); undone at the
+    end, for callers in the same process."""
     from zerotrain.quiet import quiet_libraries
 
-    # Parse and validate everything before any model loads; hide the library output nobody needs
-    # to read before the libraries load (DeepSpeed may log as it is imported).
     run = load_config(args.config, args.overrides)
-    quiet_libraries(args.debug or run.logging.verbose, topology().rank)
+    with quiet_libraries(args.debug or run.logging.verbose, topology().rank):
+        return start(run)
+
+
+def start(run: RunConfig) -> int:
+    """Start-up, the process group, and one orderly way out of it on every rank (fit() is the run)."""
     import deepspeed
 
     from zerotrain.models.catalog import resolve_model

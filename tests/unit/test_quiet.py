@@ -130,8 +130,10 @@ def test_library_progress_bars_and_other_ranks_info():
 
     libraries = (transformers_logging, diffusers_logging)
     levels = [library.get_verbosity() for library in libraries]
+    bars = [library.is_progress_bar_enabled() for library in libraries]
     for library in libraries:
         library.set_verbosity_info()  # as TRANSFORMERS_VERBOSITY=info would
+        library.enable_progress_bar()  # their default (conditioning.py turns them off for good)
     try:
         with quiet_libraries(verbose=False, rank=0):
             assert [(lib.is_progress_bar_enabled(), lib.get_verbosity()) for lib in libraries] == \
@@ -142,8 +144,9 @@ def test_library_progress_bars_and_other_ranks_info():
         assert [(lib.is_progress_bar_enabled(), lib.get_verbosity()) for lib in libraries] == \
             [(True, logging.INFO)] * 2
     finally:
-        for library, level in zip(libraries, levels):
+        for library, level, bar in zip(libraries, levels, bars):
             library.set_verbosity(level)
+            (library.enable_progress_bar if bar else library.disable_progress_bar)()
 
 
 def test_line_filter_judges_whole_lines_as_they_are_written():
