@@ -219,9 +219,10 @@ def _sha256(path: Path, fsync: bool) -> str:
     return digest.hexdigest()
 
 
-def _shares(folder: Path, names: list[str] | None, topo: Topology) -> tuple[list[str], dict[str, list[int]]]:
-    """The files of `folder` (all of them, or `names`) and which ranks see each: a multi-node job
-    without a shared file system sees only its own node's files. Every rank calls this."""
+def _shares(folder: Path, names: list[str] | None, topo: Topology) -> tuple[list[str], list[str]]:
+    """The files of `folder` (all of them, or `names`) that some rank sees, and those this rank
+    hashes: each file goes to one of the ranks that see it (a multi-node job without a shared file
+    system sees only its own node's files), in turn. Every rank calls this."""
     if names is None:
         names = [p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != STATE
                  and not p.relative_to(folder).as_posix().startswith(UNIVERSAL)]
@@ -230,17 +231,16 @@ def _shares(folder: Path, names: list[str] | None, topo: Topology) -> tuple[list
     for rank, found in enumerate(gather_objects(sorted(visible))):
         for name in found:
             seen.setdefault(name, []).append(rank)
-    return sorted(seen), seen
+    everywhere = sorted(seen)
+    return everywhere, [name for i, name in enumerate(everywhere) if seen[name][i % len(seen[name])] == topo.rank]
 
 
 def checksums(folder: Path, topo: Topology, fsync: bool = False) -> dict[str, dict[str, Any]]:
     """{relative path: {bytes, sha256}} of every file of a checkpoint folder, the hashing shared
     among the ranks that see each file. Every rank calls this and gets the whole result."""
-    names, seen = _shares(folder, None, topo)
-    mine = {}
-    for i, name in enumerate(names):
-        if seen[name][i % len(seen[name])] == topo.rank:
-            mine[name] = {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name, fsync)}
+    _, mine_names = _shares(folder, None, topo)
+    mine = {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name, fsync)}
+            for name in mine_names}
     merged: dict[str, dict[str, Any]] = {}
     for part in gather_objects(mine):
         merged.update(part)
@@ -260,13 +260,9 @@ def damage(checkpoint: Path, topo: Topology) -> str | None:
         problem = None if recorded is None or isinstance(recorded, dict) else f"{checkpoint / STATE} is malformed"
     if problem is not None or not recorded:
         return problem
-    names, seen = _shares(checkpoint, sorted(recorded), topo)
-    found = []
-    for name in sorted(set(recorded) - set(names)):
-        found.append(f"{checkpoint / name} is missing")
-    for i, name in enumerate(names):
-        if seen[name][i % len(seen[name])] != topo.rank:
-            continue
+    names, mine = _shares(checkpoint, sorted(recorded), topo)
+    found = [f"{checkpoint / name} is missing" for name in sorted(set(recorded) - set(names))]
+    for name in mine:
         path, want = checkpoint / name, recorded[name]
         size = path.stat().st_size
         if size != want["bytes"]:
