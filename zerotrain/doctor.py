@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zerotrain.config import RunConfig
+from zerotrain.config.flags import add_plan_flags, config_from_args
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import (
     Driver,
@@ -195,7 +196,7 @@ class Context:
 
     @cached_property
     def facts(self) -> Any:
-        from zerotrain.planner.facts import measure_model
+        from zerotrain.planner.measure import measure_model
 
         if isinstance(self.spec, Missing):
             return self.spec
@@ -842,11 +843,9 @@ def run_checks(run: RunConfig, *, config_path: Path | None = None, debug: bool =
 
 def add_parser(commands: Any) -> None:
     """Register `doctor` on an argparse subparsers object, with `zerotrain plan`'s shorthand flags
-    (cli.config_from_args maps them to config fields through cli.PLAN_FLAGS)."""
+    (config.flags.config_from_args maps them to config fields through PLAN_FLAGS)."""
     d = commands.add_parser("doctor", help="check this machine before a long job: versions, GPUs, NCCL, memory, "
                                            "disk, model (exit 0 ok, 1 warnings, 2 failures)")
-    from zerotrain.cli import add_plan_flags
-
     add_plan_flags(d)
     d.add_argument("--json", action="store_true", help="print the checks as JSON")
 
@@ -881,8 +880,6 @@ def print_checks(checks: list[Check]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the checks, print them (a table, or JSON with --json) and return exit_code."""
-    from zerotrain.cli import config_from_args
-
     try:
         run = config_from_args(args)
     except ZerotrainError as err:

@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
+from zerotrain import families
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
-from zerotrain.models.families import DENOISER_FOLDER
 
 
 def load_denoiser(spec: ModelSpec, folder: Path) -> torch.nn.Module:
     """The family's diffusers denoiser from a model folder, in bf16, on the host."""
-    subfolder = spec.subfolder or DENOISER_FOLDER[spec.family]
+    subfolder = spec.subfolder or families.of(spec).denoiser_folder
     try:
         return spec.denoiser_class().from_pretrained(folder, subfolder=subfolder, torch_dtype=torch.bfloat16)
     except (OSError, ValueError) as err:
@@ -111,7 +111,7 @@ def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig, gradient
     else:
         model.requires_grad_(True)
     if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+        families.of(spec).enable_checkpointing(model)
     model.train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     done.append(f"{run.training.mode.value} training: {trainable:,} trainable parameters"

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import re
 import shutil
 import sys
 from collections.abc import Iterable, Iterator
@@ -45,10 +44,10 @@ from typing import Any
 
 import torch
 
+from zerotrain import families
 from zerotrain.config import Mode, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec, resolve_model
-from zerotrain.models.families import DENOISER_FOLDER
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -378,20 +377,14 @@ def _meta_model(spec: ModelSpec, run: RunConfig) -> torch.nn.Module:
 
 def denoiser_folder(spec: ModelSpec) -> str:
     """Where a diffusers pipeline folder keeps this denoiser."""
-    return DENOISER_FOLDER[spec.family]
+    return families.of(spec).denoiser_folder
 
 
 def pipeline_class(spec: ModelSpec) -> type:
     """The diffusers pipeline whose LoRA loader matches the denoiser."""
     import diffusers
 
-    if spec.family == "flux":
-        return diffusers.FluxPipeline
-    if spec.family == "sd3":
-        return diffusers.StableDiffusion3Pipeline
-    if spec.config.get("addition_embed_type") == "text_time":
-        return diffusers.StableDiffusionXLPipeline
-    return diffusers.StableDiffusionPipeline
+    return getattr(diffusers, families.of(spec).pipeline_name(spec))
 
 
 # --- writing ---------------------------------------------------------------------------------------
@@ -439,7 +432,8 @@ def _write_full(
         diffusers_logging.set_verbosity(verbosity)
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     if comfyui:
-        files.append(_save_single_file(out / COMFYUI_DIR / f"{name}.safetensors", weights, {"format": "pt"}))
+        comfy = families.of(spec).comfyui_model(weights)
+        files.append(_save_single_file(out / COMFYUI_DIR / f"{name}.safetensors", comfy, {"format": "pt"}))
     return files
 
 
@@ -507,50 +501,13 @@ def _save_single_file(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 # --- ComfyUI ---------------------------------------------------------------------------------------
 
-# FluxTransformer2DModel module -> Black Forest Labs' module, as ComfyUI maps them
-# (comfy/utils.py flux_to_diffusers) and kohya sd-scripts names Flux LoRAs. Fused BFL layers list
-# their diffusers parts in output order (q, k, v[, mlp]).
-_FLUX_DOUBLE = {
-    "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
-    "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
-    "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
-    "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
-}
-_FLUX_DOUBLE_FUSED = {
-    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
-}
-_FLUX_SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2"}
-_FLUX_SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
-_FLUX_TOP = {
-    "x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
-    "time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
-    "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
-    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
-    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
-    "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
-    "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
-    "norm_out.linear": "final_layer.adaLN_modulation.1",  # (shift, scale) rows swapped to (scale, shift)
-}
-_FLUX_SWAPPED = {"final_layer.adaLN_modulation.1"}
-_BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
-
 
 def comfyui_lora_state_dict(
     spec: ModelSpec, model: torch.nn.Module, layers: dict[str, torch.Tensor], alpha: float
 ) -> dict[str, torch.Tensor]:
-    """The LoRA in the kohya naming ComfyUI loads: "<name>.lora_down.weight" (A), ".lora_up.weight"
-    (B) and ".alpha" (ComfyUI and kohya scale by alpha / rank, rank = lora_down rows).
-
-    <name> per family, as ComfyUI's comfy/lora.py model_lora_keys_unet maps it:
-    - Flux: "lora_unet_" + the Black Forest Labs module path with "." -> "_" (kohya sd-scripts' Flux
-      names, e.g. lora_unet_double_blocks_0_img_attn_qkv). Diffusers' separate q/k/v (and a single
-      block's proj_mlp) are one fused layer there: their A matrices are stacked (rank 3r or 4r) and
-      their B matrices placed block-diagonally at their output rows, zero rows for parts without a
-      LoRA; alpha grows with the rank so the scale stays alpha / r. Exact, as kohya's own converter.
-    - SDXL / SD1.x UNets: "lora_unet_" + the diffusers module path with "." -> "_".
-    - SD3: "lora_transformer_" + the diffusers module path with "." -> "_" (OneTrainer's naming).
-    `layers` is in get_peft_model_state_dict's format ("<module>.lora_A.weight")."""
+    """The LoRA in the naming ComfyUI loads for the family (Family.comfyui_lora; kohya's
+    "<name>.lora_down.weight" (A), ".lora_up.weight" (B) and ".alpha", ComfyUI and kohya scaling by
+    alpha / rank). `layers` is in get_peft_model_state_dict's format ("<module>.lora_A.weight")."""
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for key, down in layers.items():
         if key.endswith(".lora_A.weight"):
@@ -562,80 +519,7 @@ def comfyui_lora_state_dict(
     if len(pairs) * 2 != len(layers):
         extra = sorted(set(layers) - {f"{m}.lora_{x}.weight" for m in pairs for x in "AB"})
         raise ZerotrainError(f"the ComfyUI export supports plain LoRA (lora_A/lora_B) only, found {extra[0]}")
-    if spec.family != "flux":
-        prefix = "lora_transformer_" if spec.family == "sd3" else "lora_unet_"
-        out: dict[str, torch.Tensor] = {}
-        for module, (down, up) in pairs.items():
-            name = prefix + module.replace(".", "_")
-            out.update(_kohya(name, down, up, alpha))
-        return out
-    return _flux_comfyui(model, pairs, alpha)
-
-
-def _kohya(name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> dict[str, torch.Tensor]:
-    return {
-        f"{name}.lora_down.weight": down.contiguous(),
-        f"{name}.lora_up.weight": up.contiguous(),
-        f"{name}.alpha": torch.tensor(float(alpha), dtype=torch.float32),
-    }
-
-
-def _flux_comfyui(
-    model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float
-) -> dict[str, torch.Tensor]:
-    plain: dict[str, str] = {}  # diffusers module -> BFL module
-    fused: dict[str, list[tuple[str, str]]] = {}  # BFL module -> [(part's diffusers module, ...)]
-    for module in pairs:
-        match = _BLOCK.match(module)
-        if match is None:
-            if module not in _FLUX_TOP:
-                raise ZerotrainError(f"LoRA on Flux module {module} has no ComfyUI (Black Forest Labs) name")
-            plain[module] = _FLUX_TOP[module]
-            continue
-        kind, index, rest = match.groups()
-        double = kind == "transformer_blocks"
-        block = f"{'double' if double else 'single'}_blocks.{index}"
-        simple, groups = (_FLUX_DOUBLE, _FLUX_DOUBLE_FUSED) if double else (_FLUX_SINGLE, _FLUX_SINGLE_FUSED)
-        if rest in simple:
-            plain[module] = f"{block}.{simple[rest]}"
-            continue
-        target = next((t for t, parts in groups.items() if rest in parts), None)
-        if target is None:
-            raise ZerotrainError(f"LoRA on Flux module {module} has no ComfyUI (Black Forest Labs) name")
-        fused.setdefault(f"{block}.{target}", [f"{kind}.{index}.{part}" for part in groups[target]])
-    out: dict[str, torch.Tensor] = {}
-    for module, target in plain.items():
-        down, up = pairs[module]
-        if target in _FLUX_SWAPPED:
-            shift, scale = up.chunk(2, dim=0)
-            up = torch.cat([scale, shift], dim=0)
-        out.update(_kohya("lora_unet_" + target.replace(".", "_"), down, up, alpha))
-    modules = dict(model.named_modules())
-    for target, parts in fused.items():
-        present = [part for part in parts if part in pairs]
-        rows = [_out_features(modules[part]) for part in parts]
-        ranks = [pairs[part][0].shape[0] for part in present]
-        rank = sum(ranks)
-        down = torch.cat([pairs[part][0] for part in present], dim=0)
-        first = pairs[present[0]][1]
-        up = first.new_zeros((sum(rows), rank))
-        row, column = 0, 0
-        for part, height in zip(parts, rows):
-            if part in pairs:
-                part_up = pairs[part][1]
-                up[row:row + height, column:column + part_up.shape[1]] = part_up
-                column += part_up.shape[1]
-            row += height
-        if any(r != ranks[0] for r in ranks):
-            raise ZerotrainError(f"LoRA parts of Flux {target} have different ranks {ranks}; cannot fuse them")
-        # Every part is scaled by alpha / r; the fused layer by its alpha / (sum of ranks).
-        out.update(_kohya("lora_unet_" + target.replace(".", "_"), down, up, alpha * rank / ranks[0]))
-    return out
-
-
-def _out_features(module: torch.nn.Module) -> int:
-    base = getattr(module, "base_layer", module)
-    return int(base.weight.shape[0])
+    return families.of(spec).comfyui_lora(model, pairs, alpha)
 
 
 def _one_line(err: BaseException) -> str:

@@ -21,25 +21,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from zerotrain import families
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
+from zerotrain.families.base import text_and_pooled
 from zerotrain.models.catalog import ModelSpec
-from zerotrain.models.families import check_resolution
 
 if TYPE_CHECKING:
     from diffusers import DDPMScheduler
 
+    from zerotrain.families import Family
+
 # The mode density of the SD3 paper (eq. 20) maps [0, 1] onto [0, 1] only while it is monotonic,
 # which holds for mode_scale <= 2 / (pi - 2) (the paper's stated range for s).
 MAX_MODE_SCALE = 2 / (math.pi - 2)
-# calculate_shift's defaults when the scheduler config omits them, as each pipeline writes them:
-# FluxPipeline uses max_shift 1.15, StableDiffusion3Pipeline 1.16.
-_DYNAMIC_SHIFT_DEFAULTS = {
-    "flux": {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15},
-    "sd3": {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.16},
-}
-# Flux packs 2x2 latent patches into one token (FluxPipeline._pack_latents).
-_FLUX_PATCH = 2
 
 
 @dataclass
@@ -72,26 +67,14 @@ def make_objective(
 ) -> Objective:
     """The objective of spec's family. scheduler_config is the model folder's
     scheduler/scheduler_config.json; resolution is data.resolution (checked against the model's pixel
-    factor; the Flux shift itself follows each batch's own sequence length, as FluxPipeline's does);
+    factor; a dynamic shift itself follows each batch's own sequence length, as the pipelines' does);
     model_dtype is the denoiser's parameter dtype."""
-    if spec.family not in ("flux", "sd3", "unet"):
-        raise ZerotrainError(
-            f"model.name_or_path='{spec.name}': no training objective for family '{spec.family}'"
-        )
-    check_resolution(spec, resolution)
-    if spec.family in ("flux", "sd3"):
-        _check_flow_config(spec, config)
-        patch = _FLUX_PATCH if spec.family == "flux" else int(spec.config.get("patch_size", 2))
-        return FlowMatching(
-            family=spec.family,
-            config=config,
-            scheduler_config=dict(scheduler_config),
-            patch=patch,
-            guidance_embeds=spec.family == "flux" and bool(spec.config.get("guidance_embeds", False)),
-            num_train_timesteps=int(scheduler_config.get("num_train_timesteps", 1000)),
-            model_dtype=model_dtype,
-        )
-    return _make_ddpm(spec, scheduler_config, config, model_dtype)
+    family = families.of(spec)
+    families.check_resolution(spec, resolution)
+    scheduler_config = dict(scheduler_config)
+    if family.objective == "ddpm":
+        return make_ddpm(spec, scheduler_config, config, model_dtype, time_ids=family.ddpm_time_ids(spec))
+    return make_flow_matching(family, spec, scheduler_config, config, model_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -171,15 +154,17 @@ def shift_sigmas(t: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def dynamic_shift(scheduler_config: dict[str, Any], family: str, image_seq_len: int) -> float:
-    """The shift FluxPipeline (and StableDiffusion3Pipeline with use_dynamic_shifting) samples with for
+    """The shift FluxPipeline (and the other pipelines with use_dynamic_shifting) samples with for
     image_seq_len image tokens: mu from diffusers' calculate_shift, linear in the sequence length between
     the scheduler config's (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), mapped
-    through the scheduler's time_shift_type."""
+    through the scheduler's time_shift_type. `family` names the family whose pipeline defaults fill
+    what the config leaves out."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     if image_seq_len < 1:
         raise ValueError(f"dynamic_shift: image_seq_len must be positive, got {image_seq_len}")
-    params = {key: scheduler_config.get(key, value) for key, value in _DYNAMIC_SHIFT_DEFAULTS[family].items()}
+    defaults = families.by_name(family).shift_defaults
+    params = {key: scheduler_config.get(key, value) for key, value in defaults.items()}
     mu = calculate_shift(
         image_seq_len,
         params["base_image_seq_len"],
@@ -210,42 +195,17 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, 4C) by FluxPipeline._pack_latents: Flux's image tokens."""
-    from diffusers import FluxPipeline
-
-    _check_latents(latents, "latents")
-    b, c, h, w = latents.shape
-    if h % _FLUX_PATCH or w % _FLUX_PATCH:
-        raise ValueError(f"pack_latents: latent height and width must be even, got {h}x{w}")
-    return FluxPipeline._pack_latents(latents, b, c, h, w)
-
-
-def latent_image_ids(height: int, width: int, device: torch.device) -> torch.Tensor:
-    """Flux's image position ids (h/2 * w/2, 3) float32 for (h, w) latents, by
-    FluxPipeline._prepare_latent_image_ids on the packed grid."""
-    from diffusers import FluxPipeline
-
-    return FluxPipeline._prepare_latent_image_ids(
-        None, height // _FLUX_PATCH, width // _FLUX_PATCH, device, torch.float32
-    )
-
-
 @dataclass(frozen=True)
 class FlowMatching:
-    """Rectified flow for Flux and SD3, conditioned as FluxPipeline / StableDiffusion3Pipeline
-    condition their transformers."""
+    """Rectified flow, conditioned as the family's pipeline conditions its denoiser."""
 
-    family: str
-    """flux or sd3."""
+    family: Family
+    """Lays out the denoiser's inputs and target (Family.flow_inputs) and the tokens a shift follows."""
+    spec: ModelSpec
     config: ObjectiveConfig
     scheduler_config: dict[str, Any]
-    patch: int
-    """Latent pixels per image token along each side: 2 for Flux's packing, patch_size for SD3."""
-    guidance_embeds: bool
-    """Flux-dev style guidance distillation: the transformer takes a guidance value."""
     num_train_timesteps: int
-    """SD3's transformer takes sigma * num_train_timesteps, as its scheduler's timesteps."""
+    """From the scheduler config; SD3's transformer takes sigma * num_train_timesteps."""
     model_dtype: torch.dtype
 
     def shift(self, image_seq_len: int) -> float:
@@ -254,44 +214,39 @@ class FlowMatching:
         if self.config.shift != "auto":
             return float(self.config.shift)
         if self.scheduler_config.get("use_dynamic_shifting", False):
-            return dynamic_shift(self.scheduler_config, self.family, image_seq_len)
+            return dynamic_shift(self.scheduler_config, self.family.name, image_seq_len)
         return float(self.scheduler_config.get("shift", 1.0))
 
     def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:
         x0 = sample_posterior(*choose_flip(batch, generator), generator)
         b, _, h, w = x0.shape
-        text, pooled = _text(batch, b)
-        if h % self.patch or w % self.patch:
-            raise ValueError(f"{self.family}: latents {h}x{w} are not a multiple of the patch {self.patch}")
+        tokens = self.family.latent_tokens(self.spec, h, w)
         t = sample_flow_timesteps(self.config, b, generator).to(x0.device)
-        sigma = shift_sigmas(t, self.shift((h // self.patch) * (w // self.patch)))
+        sigma = shift_sigmas(t, self.shift(tokens))
         noise = _randn(x0.shape, generator, x0.device)
         x_t = flow_interpolate(x0, noise, sigma)
-        target = flow_target(x0, noise)
-        dtype = self.model_dtype
-        if self.family == "sd3":
-            kwargs = {
-                "hidden_states": x_t.to(dtype),
-                "encoder_hidden_states": text.to(dtype),
-                "pooled_projections": pooled.to(dtype),
-                "timestep": sigma * self.num_train_timesteps,
-            }
-            return Prepared(model_kwargs=kwargs, target=target, weights=None)
-        # FluxPipeline passes timestep / 1000 = sigma; the transformer scales it (and guidance) by 1000.
-        kwargs = {
-            "hidden_states": pack_latents(x_t).to(dtype),
-            "encoder_hidden_states": text.to(dtype),
-            "pooled_projections": pooled.to(dtype),
-            "timestep": sigma,
-            "img_ids": latent_image_ids(h, w, x0.device),
-            "txt_ids": torch.zeros(text.shape[1], 3, device=x0.device),
-        }
-        if self.guidance_embeds:
-            kwargs["guidance"] = torch.full((b,), self.config.guidance, device=x0.device)
-        return Prepared(model_kwargs=kwargs, target=pack_latents(target), weights=None)
+        kwargs, target = self.family.flow_inputs(self, x_t, flow_target(x0, noise), sigma, batch)
+        return Prepared(model_kwargs=kwargs, target=target, weights=None)
 
-    def loss(self, pred: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        return mse_loss(pred, prepared.target, prepared.weights)
+    def loss(self, pred: Any, prepared: Prepared) -> torch.Tensor:
+        """pred: the first element of the denoiser's return_dict=False output."""
+        return mse_loss(self.family.prediction(pred), prepared.target, prepared.weights)
+
+
+def make_flow_matching(
+    family: Family, spec: ModelSpec, scheduler_config: dict[str, Any], config: ObjectiveConfig,
+    model_dtype: torch.dtype,
+) -> FlowMatching:
+    """Flow matching for a family whose scheduler is FlowMatchEulerDiscreteScheduler."""
+    _check_flow_config(spec, config)
+    return FlowMatching(
+        family=family,
+        spec=spec,
+        config=config,
+        scheduler_config=scheduler_config,
+        num_train_timesteps=int(scheduler_config.get("num_train_timesteps", 1000)),
+        model_dtype=model_dtype,
+    )
 
 
 def _check_flow_config(spec: ModelSpec, config: ObjectiveConfig) -> None:
@@ -367,7 +322,7 @@ class DDPM:
 
         x0 = sample_posterior(*choose_flip(batch, generator), generator)
         b = x0.shape[0]
-        text, pooled = _text(batch, b)
+        text, pooled = text_and_pooled(batch, b)
         timesteps = sample_ddpm_timesteps(self.scheduler.config.num_train_timesteps, b, generator)
         timesteps = timesteps.to(x0.device)
         noise = _randn(x0.shape, generator, x0.device)
@@ -398,9 +353,11 @@ class DDPM:
         return mse_loss(pred, prepared.target, prepared.weights)
 
 
-def _make_ddpm(
-    spec: ModelSpec, scheduler_config: dict[str, Any], config: ObjectiveConfig, model_dtype: torch.dtype
+def make_ddpm(
+    spec: ModelSpec, scheduler_config: dict[str, Any], config: ObjectiveConfig, model_dtype: torch.dtype,
+    *, time_ids: bool,
 ) -> DDPM:
+    """DDPM for a UNet; time_ids: SDXL's text_time conditioning."""
     from diffusers import DDPMScheduler
 
     if config.shift != "auto":
@@ -433,22 +390,13 @@ def _make_ddpm(
         scheduler=scheduler,
         prediction_type=prediction_type,
         min_snr_gamma=config.min_snr_gamma,
-        time_ids=spec.config.get("addition_embed_type") == "text_time",
+        time_ids=time_ids,
         model_dtype=model_dtype,
     )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Shape contracts and random draws.
-
-
-def _text(batch: dict[str, torch.Tensor], b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    text, pooled = batch["prompt_embeds"], batch["pooled_prompt_embeds"]
-    if text.ndim != 3 or text.shape[0] != b:
-        raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
-    if pooled.ndim != 2 or pooled.shape[0] != b:
-        raise ValueError(f"pooled_prompt_embeds must be ({b}, P), got {tuple(pooled.shape)}")
-    return text, pooled
 
 
 def _check_latents(x: torch.Tensor, name: str) -> None:

@@ -1,5 +1,5 @@
 """Validation images: the model being trained renders the configured prompts through its family's
-own diffusers pipeline (FluxPipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline), so the
+own diffusers pipeline (FluxPipeline, StableDiffusion3Pipeline, StableDiffusionXLPipeline, ...), so the
 images are what a user of the exported weights would get with the same settings.
 
 What stays in memory during training is only what the images need and training does not: the text
@@ -38,19 +38,11 @@ from typing import Any
 
 import torch
 
+from zerotrain import families
 from zerotrain.config.sections import RunConfig, ValidationConfig
 from zerotrain.distributed import Topology, gather_objects
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
-from zerotrain.models.conditioning import PIPELINES, TEXT_COMPONENTS
-from zerotrain.models.families import DEFAULT_TEXT_TOKENS, DENOISER_FOLDER, pixel_factor
-
-# Guidance when validation.guidance_scale is not given: the default guidance_scale of each family's
-# pipeline __call__ (diffusers 0.42): FluxPipeline 3.5 (distilled guidance), StableDiffusion3Pipeline
-# 7.0 and StableDiffusionXLPipeline 5.0 (classifier-free guidance).
-DEFAULT_GUIDANCE = {"flux": 3.5, "sd3": 7.0, "unet": 5.0}
-# Families whose guidance is classifier-free (a negative prompt, two predictions per step).
-_CFG_FAMILIES = ("sd3", "unet")
 
 
 @dataclass(frozen=True)
@@ -112,23 +104,25 @@ class Validator:
         from zerotrain.data.cache import encode_dtype
 
         self.spec, self.folder, self.topo, self.device = spec, Path(folder), topo, torch.device(device)
+        self.family = families.of(spec)
         self.config = run.validation
         self.resolution = self.config.resolution or run.data.resolution
-        factor = pixel_factor(spec)
+        factor = self.family.pixel_factor(spec)
         if self.resolution % factor:
             field = "validation.resolution" if self.config.resolution else "data.resolution"
             raise ZerotrainError(f"{field}={self.resolution}: validation images of {spec.name} need a "
                                  f"multiple of {factor} (VAE x{spec.vae_scale_factor} times the denoiser's "
                                  "patching)")
         guidance = self.config.guidance_scale
-        self.guidance_scale = DEFAULT_GUIDANCE[spec.family] if guidance is None else guidance
+        # The default guidance_scale of the family pipeline's __call__.
+        self.guidance_scale = self.family.default_guidance if guidance is None else guidance
         # The pipelines run classifier-free guidance only above 1 (do_classifier_free_guidance).
-        self.cfg = spec.family in _CFG_FAMILIES and self.guidance_scale > 1
+        self.cfg = self.family.classifier_free_guidance and self.guidance_scale > 1
         self.jobs = make_jobs(self.config.prompts, self.config.seeds)
         self.prompt_embeds: list[dict[str, torch.Tensor]] = []
         self.negative_embeds: dict[str, torch.Tensor] = {}
         if self.jobs:
-            self._encode(run.data.text_tokens or DEFAULT_TEXT_TOKENS[spec.family], encode_dtype(self.device))
+            self._encode(run.data.text_tokens or self.family.default_text_tokens, encode_dtype(self.device))
             self.scheduler = _load_scheduler(self.folder)
 
     def _encode(self, text_tokens: int, dtype: torch.dtype) -> None:
@@ -142,12 +136,7 @@ class Validator:
                 self.prompt_embeds.append(_to_host(encode_prompts(encoders, [prompt], text_tokens)))
             if self.cfg:
                 negative = _to_host(encode_prompts(encoders, [self.config.negative_prompt], text_tokens))
-                empty = not self.config.negative_prompt
-                if self.spec.family == "unet" and empty and _zeros_for_empty(self.folder):
-                    # StableDiffusionXLPipeline's default without a negative prompt
-                    # (force_zeros_for_empty_prompt in model_index.json): zeros, not the encoded "".
-                    negative = {name: torch.zeros_like(value) for name, value in negative.items()}
-                self.negative_embeds = negative
+                self.negative_embeds = self.family.negative_embeds(self.folder, self.config.negative_prompt, negative)
         finally:
             free(encoders)
 
@@ -194,29 +183,27 @@ class Validator:
         model's dtype on the device, the scheduler, and no text encoders or tokenizers."""
         import diffusers
 
-        vae = diffusers.AutoencoderKL.from_pretrained(self.folder, subfolder="vae", torch_dtype=model.dtype)
+        family = self.family
+        vae = getattr(diffusers, family.vae_class).from_pretrained(self.folder, subfolder="vae", torch_dtype=model.dtype)
         vae.to(self.device).requires_grad_(False).eval()
-        components: dict[str, Any] = {"vae": vae, "scheduler": self.scheduler,
-                                      DENOISER_FOLDER[self.spec.family]: model}
-        for tokenizer, encoder in TEXT_COMPONENTS[self.spec.family]:
+        components: dict[str, Any] = {"vae": vae, "scheduler": self.scheduler, family.denoiser_folder: model,
+                                      **family.pipeline_extras}
+        for tokenizer, encoder in family.text_components:
             components[tokenizer] = components[encoder] = None
-        if self.spec.family == "unet":
-            components["add_watermarker"] = False  # validation images stay as the model made them
-        pipeline = getattr(diffusers, PIPELINES[self.spec.family])(**components)
+        pipeline = getattr(diffusers, family.pipeline_name(self.spec))(**components)
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
 
     def _image(self, pipeline: Any, job: Job, dtype: torch.dtype) -> Any:
         """One PIL image of one job. The embeddings are given on the training device: the pipelines
         move neither prompt_embeds (Flux) nor the model."""
-        def place(embeds: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-            return {prefix + name: value.to(self.device, dtype) for name, value in embeds.items()}
+        def place(embeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {name: value.to(self.device, dtype) for name, value in embeds.items()}
 
-        kwargs = place(self.prompt_embeds[job.prompt_index])
-        if self.cfg:
-            kwargs.update(place(self.negative_embeds, "negative_"))
+        negative = place(self.negative_embeds) if self.cfg else None
+        kwargs = self.family.validation_kwargs(place(self.prompt_embeds[job.prompt_index]), negative, self.guidance_scale)
         out = pipeline(**kwargs, height=self.resolution, width=self.resolution,
-                       num_inference_steps=self.config.steps, guidance_scale=self.guidance_scale,
+                       num_inference_steps=self.config.steps,
                        generator=torch.Generator(device="cpu").manual_seed(job.seed), output_type="pil")
         return out.images[0]
 
@@ -286,15 +273,6 @@ def _load_scheduler(folder: Path) -> Any:
     except (OSError, KeyError, ValueError, AttributeError) as err:
         raise ZerotrainError(f"validation: cannot load the scheduler from {config} "
                              f"({' '.join(str(err).split())[:300]})") from err
-
-
-def _zeros_for_empty(folder: Path) -> bool:
-    """StableDiffusionXLPipeline's force_zeros_for_empty_prompt (model_index.json; True by default)."""
-    try:
-        index = json.loads((folder / "model_index.json").read_text())
-        return bool(index.get("force_zeros_for_empty_prompt", True))
-    except (OSError, ValueError):
-        return True
 
 
 def _to_host(embeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

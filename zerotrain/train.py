@@ -89,7 +89,7 @@ def _plan_here(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, obje
         layout_of,
         validate,
     )
-    from zerotrain.planner.facts import measure_model
+    from zerotrain.planner.measure import measure_model
     from zerotrain.planner.search import describe, evaluate, gib, plan
 
     hw = hardware_facts(run.hardware)
@@ -146,10 +146,12 @@ def write_run_folder(run: RunConfig, ds_config: dict, plan_result, topo: Topolog
 
 
 def to_device(value, device: torch.device):
-    """Tensors (also inside dicts, like SDXL's added_cond_kwargs) moved to the model's device;
-    dtypes are the objective's choice."""
+    """Tensors (also inside dicts, like SDXL's added_cond_kwargs, and lists) moved to the model's
+    device; dtypes are the objective's choice."""
     if isinstance(value, dict):
         return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device) for v in value)
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
@@ -176,8 +178,8 @@ def start(run: RunConfig) -> int:
     """Start-up, the process group, and one orderly way out of it on every rank (fit() is the run)."""
     import deepspeed
 
+    from zerotrain.families import check_resolution
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.models.families import check_resolution
 
     # The allocator setting the planner's fragmentation constant assumes (before any CUDA allocation).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -76,7 +76,7 @@ def main() -> int:
     import deepspeed
 
     from zerotrain.config import load_config
-    from zerotrain.distributed import gather_objects, topology
+    from zerotrain.distributed import gather_objects, shutdown, topology
 
     deepspeed.init_distributed(dist_backend="gloo")
     topo = topology()
@@ -87,7 +87,8 @@ def main() -> int:
     results = {name: gather_objects(run_case(stage, check, run, topo)) for name, stage, check in CASES}
     if topo.is_main:
         out.write_text(json.dumps(results, indent=1))
-    torch.distributed.barrier()
+    # Leave the process group as train.py does, or gloo may abort the exiting process (exit -6).
+    shutdown(clean=True)
     return 0
 
 

@@ -85,11 +85,11 @@ def main() -> int:
     import deepspeed
 
     from zerotrain.config import load_config
-    from zerotrain.distributed import topology
+    from zerotrain.distributed import shutdown, topology
     from zerotrain.ema import ShardedEMA
     from zerotrain.engine import apply_mode, build_engine, load_denoiser
+    from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.models.families import example_inputs
     from zerotrain.planner.deepspeed_json import deepspeed_config
     from zerotrain.planner.memory import Layout
 
@@ -164,7 +164,8 @@ def main() -> int:
         if probe_at:
             result["plain"] = plain_output(spec, run, model_dir, result["reference_at_probe"], probe)
         torch.save(result, spec_args["result"])
-    torch.distributed.barrier()
+    # Leave the process group as train.py does, or gloo may abort the exiting process (exit -6).
+    shutdown(clean=True)
     return 0
 
 

@@ -152,8 +152,8 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int) -> dict:
     import deepspeed
 
     from zerotrain.config.sections import RunConfig
+    from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.models.families import example_inputs
     from zerotrain.planner.deepspeed_json import deepspeed_config
     from zerotrain.planner.memory import Layout
 

@@ -146,7 +146,7 @@ def planner(workdir):
     """Facts and Sizes per mode, the way `zerotrain plan` builds them."""
     from zerotrain.hardware import hardware_facts
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.planner.facts import measure_model
+    from zerotrain.planner.measure import measure_model
     from zerotrain.planner.search import buffers_from, sizes_from
 
     out = {}

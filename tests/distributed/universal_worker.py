@@ -32,7 +32,7 @@ def main() -> int:
     from tests.distributed.worker_steps import random_step
     from zerotrain.checkpoint import find, load, make_universal, needs_universal, save
     from zerotrain.config import load_config
-    from zerotrain.distributed import topology
+    from zerotrain.distributed import shutdown, topology
     from zerotrain.engine import apply_mode, build_engine, load_denoiser
     from zerotrain.models.catalog import resolve_model
     from zerotrain.planner.deepspeed_json import deepspeed_config
@@ -73,7 +73,8 @@ def main() -> int:
                                        for key in ("exp_avg", "exp_avg_sq")}}
     if topo.is_main:
         torch.save(held, out)
-    torch.distributed.barrier()
+    # Leave the process group as train.py does, or gloo may abort the exiting process (exit -6).
+    shutdown(clean=True)
     return 0
 
 

@@ -28,7 +28,7 @@ def main() -> int:
 
     from tests.distributed.worker_steps import random_step
     from zerotrain.config import load_config
-    from zerotrain.distributed import topology
+    from zerotrain.distributed import shutdown, topology
     from zerotrain.engine import apply_mode, build_engine, denoiser, load_denoiser
     from zerotrain.models.catalog import resolve_model
     from zerotrain.planner.deepspeed_json import deepspeed_config
@@ -65,7 +65,8 @@ def main() -> int:
     assert bool(paths) == topo.is_main, f"rank {topo.rank} returned {paths}"
     for path in paths:
         print(f"wrote {path}")
-    torch.distributed.barrier()
+    # Leave the process group as train.py does, or gloo may abort the exiting process (exit -6).
+    shutdown(clean=True)
     return 0
 
 

@@ -10,7 +10,7 @@ import torch
 
 def random_step(engine: Any, spec: Any, accumulation: int, seed: int) -> None:
     """One optimizer step of `accumulation` micro-batches of one 64 px image, loss = mean(pred²)."""
-    from zerotrain.models.families import example_inputs
+    from zerotrain.families import example_inputs
 
     torch.manual_seed(seed)
     for _ in range(accumulation):

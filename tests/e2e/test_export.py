@@ -64,8 +64,8 @@ def train_one_step(model_dir: Path, stage: int, mode: str, run_dir: Path) -> Non
     import yaml
     from safetensors.torch import save_file
 
+    from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.models.families import example_inputs
     from zerotrain.planner.deepspeed_json import deepspeed_config
     from zerotrain.planner.memory import Layout
     from zerotrain.planner.trace import apply_lora

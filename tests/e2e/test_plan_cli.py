@@ -80,9 +80,9 @@ def test_nothing_fits_exits_1_with_suggestions(capsys):
     are the fewest that fit."""
     import re
 
-    from zerotrain.cli import config_from_args
+    from zerotrain.config.flags import config_from_args
     from zerotrain.hardware import hardware_facts
-    from zerotrain.planner.facts import measure_model
+    from zerotrain.planner.measure import measure_model
     from zerotrain.planner.search import plan
 
     argv = ["plan", "--model", "flux-dev", "--gpus", "1xRTX4090-24GB", "--mode", "full",

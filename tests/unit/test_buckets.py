@@ -18,8 +18,8 @@ from zerotrain.data.buckets import (
     make_buckets,
     plan_crop,
 )
+from zerotrain.families import pixel_factor
 from zerotrain.models.catalog import resolve_model
-from zerotrain.models.families import pixel_factor
 
 CASES = [(1024, 64, 2.0), (1024, 64, 4.0), (512, 16, 1.5), (1000, 64, 2.0), (768, 32, 3.0), (1024, 128, 1.0)]
 

@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from zerotrain.config import ModelConfig
 from zerotrain.errors import ZerotrainError
+from zerotrain.families.base import scale_latents
+from zerotrain.families.sdxl import sdxl_time_ids
 from zerotrain.models import conditioning
 from zerotrain.models.catalog import ModelSpec, resolve_model
 from zerotrain.models.conditioning import (
@@ -22,8 +24,6 @@ from zerotrain.models.conditioning import (
     encode_prompts,
     free,
     load_encoders,
-    scale_latents,
-    sdxl_time_ids,
 )
 from zerotrain.models.tiny import build_tiny_pipeline
 

@@ -20,7 +20,7 @@ from zerotrain import doctor
 from zerotrain.config import load_config
 from zerotrain.hardware import GiB, MiB
 from zerotrain.models.catalog import resolve_model
-from zerotrain.planner.facts import measure_model
+from zerotrain.planner.measure import measure_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-cpu.yaml"

@@ -27,10 +27,11 @@ from torch.utils.checkpoint import checkpoint
 
 from zerotrain.config import ModelConfig, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
+from zerotrain.families import example_inputs, of
 from zerotrain.models.catalog import ModelSpec, resolve_model
-from zerotrain.models.families import LORA_TARGETS, example_inputs
 from zerotrain.planner import trace
-from zerotrain.planner.facts import ModelFacts, measure_model
+from zerotrain.planner.facts import ModelFacts
+from zerotrain.planner.measure import measure_model
 
 # The tiny catalog VAEs downsample 2x, so 64 px gives 32x32 latents: 256 image tokens for Flux
 # and SD3, and a 32x32 UNet input. 16 text tokens keep every trace well under a second.
@@ -73,7 +74,7 @@ def real_model(spec: ModelSpec) -> torch.nn.Module:
 
 def add_real_lora(model: torch.nn.Module, spec: ModelSpec) -> None:
     """LoRA as a diffusers training script adds it (diffusers' add_adapter, not zerotrain's code)."""
-    model.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=LORA_TARGETS[spec.family]))
+    model.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_RANK, target_modules=list(of(spec).lora_targets)))
 
 
 def set_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
@@ -269,7 +270,7 @@ def test_lora_parameters_match_peft_on_the_real_model(name):
     spec = spec_of(name)
     facts = measured(name, "lora")
     model = spec.denoiser_class().from_config(spec.config)
-    targets = LORA_TARGETS[spec.family]
+    targets = list(of(spec).lora_targets)
     # Independent of peft: rank x (in + out) for each Linear whose name ends with a target.
     by_formula = sum(LORA_RANK * (m.in_features + m.out_features) for n, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith(f".{t}") for t in targets))

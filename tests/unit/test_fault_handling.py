@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_oom_advice_names_the_plan_with_a_lower_budget(tmp_path):
     from zerotrain.hardware import hardware_facts
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.planner.facts import measure_model
+    from zerotrain.planner.measure import measure_model
     from zerotrain.planner.search import describe, plan
 
     def run_with(*overrides: str):

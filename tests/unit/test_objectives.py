@@ -16,14 +16,11 @@ from diffusers.training_utils import compute_snr
 from zerotrain.config import ModelConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
+from zerotrain.families.flux import FLUX_SCHEDULER, pack_latents  # the published scheduler configs
+from zerotrain.families.sd3 import SD3_SCHEDULER
+from zerotrain.families.sdxl import SDXL_TIME_IDS, sdxl_time_ids
 from zerotrain.models.catalog import ModelSpec, resolve_model
-from zerotrain.models.conditioning import sdxl_time_ids
-from zerotrain.models.families import SDXL_TIME_IDS
-from zerotrain.models.tiny import (  # the published scheduler configs
-    FLUX_SCHEDULER,
-    SD3_SCHEDULER,
-    build_tiny_pipeline,
-)
+from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import (
     DDPM,
     FlowMatching,
@@ -33,7 +30,6 @@ from zerotrain.objectives import (
     make_objective,
     min_snr_weights,
     mse_loss,
-    pack_latents,
     sample_flow_timesteps,
     sample_posterior,
     sdxl_time_ids_batch,
@@ -339,7 +335,7 @@ def _after_posterior(spec: ModelSpec, g: torch.Generator, side: int = LATENT) ->
 
 
 def sdxl(prediction_type: str = "auto", min_snr_gamma: float | None = None) -> DDPM:
-    from zerotrain.models.tiny import _SDXL_SCHEDULER
+    from zerotrain.families.sdxl import SDXL_SCHEDULER as _SDXL_SCHEDULER
 
     spec = resolve_model(ModelConfig(name_or_path="tiny-sdxl"))
     config = ObjectiveConfig(prediction_type=prediction_type, min_snr_gamma=min_snr_gamma)

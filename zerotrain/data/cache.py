@@ -3,7 +3,7 @@ encoders, store safetensors shards, train from memory-mapped shards.
 
 Layout of data.cache_dir:
     latents/<rank>-<uuid>.safetensors   tensors "<key>.mean", "<key>.std" (+ ".flip_mean", ".flip_std")
-    text/<rank>-<uuid>.safetensors      tensors "<key>.<name>" (prompt_embeds, pooled_prompt_embeds)
+    text/<rank>-<uuid>.safetensors      tensors "<key>.<name>", name as the family's encode_prompt outputs
     index.json                          key -> shard, merged after every build (a speed-up only)
 
 Keys are content addresses. A latent key hashes the image file's identity (path, size,
@@ -42,6 +42,7 @@ from rich.text import Text
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from zerotrain import families
 from zerotrain.config.sections import RunConfig
 from zerotrain.data.buckets import CropPlan, apply_crop, assign_bucket, bucket_step, make_buckets, plan_crop
 from zerotrain.data.dataset import Discovery, Item, Verdict
@@ -49,11 +50,8 @@ from zerotrain.data.images import ImageRejected, load_rgb
 from zerotrain.distributed import barrier
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
-from zerotrain.models.families import DEFAULT_TEXT_TOKENS, pixel_factor
 
 CACHE_VERSION = 1
-# What models.conditioning.encode_prompts returns for every family.
-TEXT_OUTPUTS = ("prompt_embeds", "pooled_prompt_embeds")
 STORE_DTYPE = torch.bfloat16  # training runs in bf16; halves the cache
 # Items per shard: big enough that opening shards is cheap, small enough that a kill loses little.
 SHARD_ITEMS = 64
@@ -97,8 +95,9 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
     """Bucket, crop and keys for every item; items too small for their bucket are skipped when
     data.upscale=skip."""
     data = run.data
-    buckets = make_buckets(data.resolution, bucket_step(data.bucket_step, pixel_factor(spec)), data.max_aspect_ratio)
-    text_tokens = data.text_tokens or DEFAULT_TEXT_TOKENS[spec.family]
+    family = families.of(spec)
+    buckets = make_buckets(data.resolution, bucket_step(data.bucket_step, family.pixel_factor(spec)), data.max_aspect_ratio)
+    text_tokens = data.text_tokens or family.default_text_tokens
     planned, skipped = [], []
     for item in discovery.items:
         bucket = assign_bucket(item.width, item.height, buckets)
@@ -190,7 +189,7 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
     if mine_latents or mine_texts:
         encoders = load_encoders(spec, source, device=device, dtype=encode_dtype(device))
         try:
-            text_tokens = run.data.text_tokens or DEFAULT_TEXT_TOKENS[spec.family]
+            text_tokens = run.data.text_tokens or families.of(spec).default_text_tokens
             with progress_bar(show_progress and rank == 0) as bars:
                 captions = bars.add_task("encoding captions", total=len(mine_texts), unit="captions")
                 images = bars.add_task("encoding images", total=len(mine_latents), unit="images")
@@ -281,6 +280,7 @@ class CachedDataset(torch.utils.data.Dataset):
                                  "run `zerotrain cache --config ...` first")
         self.planned, self.root, self.flip, self.index = planned, root, flip, index
         self._handles: dict[str, Any] = {}
+        self._text_names: dict[str, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self.planned)
@@ -305,9 +305,19 @@ class CachedDataset(torch.utils.data.Dataset):
         if self.flip:  # horizontally flipped moments; the training step picks one of the two per sample
             sample["latent_flip_mean"] = latents.get_tensor(f"{p.latent_key}.flip_mean")
             sample["latent_flip_std"] = latents.get_tensor(f"{p.latent_key}.flip_std")
-        for name in TEXT_OUTPUTS:
+        for name in self._names(self.index["text"][p.text_key], text)[p.text_key]:
             sample[name] = text.get_tensor(f"{p.text_key}.{name}")
         return sample
 
+    def _names(self, shard: str, handle: Any) -> dict[str, list[str]]:
+        """key -> the names of its text tensors in one shard (each family's encode_prompt outputs)."""
+        names = self._text_names.get(shard)
+        if names is None:
+            names = self._text_names[shard] = {}
+            for entry in handle.keys():  # noqa: SIM118  (safe_open handles are not iterable)
+                key, name = entry.split(".", 1)
+                names.setdefault(key, []).append(name)
+        return names
+
     def __getstate__(self) -> dict:  # open handles do not cross process boundaries
-        return {**self.__dict__, "_handles": {}}
+        return {**self.__dict__, "_handles": {}, "_text_names": {}}

@@ -14,10 +14,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from zerotrain import families
 from zerotrain.config.sections import ModelConfig
 from zerotrain.errors import ZerotrainError
 
-FAMILIES = {"FluxTransformer2DModel": "flux", "SD3Transformer2DModel": "sd3", "UNet2DConditionModel": "unet"}
+# Denoiser class -> family name, for every family in zerotrain/families/.
+FAMILIES = {class_name: family.name for family in families.all_families() for class_name in family.denoiser_classes}
 
 _CATALOG_DIR = Path(__file__).with_name("catalog")
 _FIELD = "model.name_or_path"
@@ -25,24 +27,7 @@ _SUPPORTED = ", ".join(FAMILIES)
 # owner/name as the hub spells repo ids: one slash, no leading dot or dash.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # Where a diffusers pipeline folder keeps its denoiser, in order of preference.
-_DENOISER_SUBFOLDERS = ("transformer", "unet")
-
-# The denoisers' own defaults for in_channels (diffusers' __init__ signatures), used when a config
-# leaves the field out.
-_DEFAULT_IN_CHANNELS = {"flux": 64, "sd3": 16, "unet": 4}
-# AutoencoderKL's defaults, used when a vae/config.json leaves a field out.
-_AUTOENCODER_DEFAULTS = {"block_out_channels": [64], "latent_channels": 4, "scaling_factor": 0.18215}
-# The published VAE of each family, assumed when only a denoiser config is given:
-# FLUX.1 ae (black-forest-labs/FLUX.1-dev vae/config.json): scaling 0.3611, shift 0.1159;
-# SD3/3.5 (stabilityai/stable-diffusion-3.5-large vae/config.json): scaling 1.5305, shift 0.0609;
-# SDXL (stable-diffusion-xl-base-1.0 vae): 0.13025; SD1.x/2.x: 0.18215. All downsample 8x.
-_FAMILY_VAE_SCALE_FACTOR = 8
-_FAMILY_VAE_SCALING = {"flux": (0.3611, 0.1159), "sd3": (1.5305, 0.0609)}
-_SDXL_VAE_SCALING = (0.13025, None)
-_SD1_VAE_SCALING = (0.18215, None)
-# Flux packs each 2x2 patch of latents into channels before the transformer, so in_channels is
-# 4 x the VAE's latent channels (64 = 4 x 16 for FLUX.1).
-_FLUX_PACKING = 4
+_DENOISER_SUBFOLDERS = tuple(dict.fromkeys(family.denoiser_folder for family in families.all_families()))
 
 
 @dataclass(frozen=True)
@@ -52,7 +37,7 @@ class ModelSpec:
     name: str
     """What the user gave: a catalog name, a path or a hub id."""
     family: str
-    """flux, sd3 or unet: selects conditioning, objective and LoRA targets."""
+    """The name of its family (zerotrain.families), which knows everything family-specific."""
     class_name: str
     """The diffusers class of the denoiser."""
     config: dict[str, Any]
@@ -60,7 +45,7 @@ class ModelSpec:
     vae_scale_factor: int
     """Pixels per latent cell along each side."""
     latent_channels: int
-    """Channels of the VAE latents (before Flux's 2x2 packing)."""
+    """Channels of the VAE latents (before the denoiser's own packing)."""
     vae_scaling_factor: float | None
     """Latents are (z - shift) * scaling before the denoiser sees them."""
     vae_shift_factor: float | None
@@ -80,20 +65,21 @@ class ModelSpec:
 
     @property
     def plan_only(self) -> bool:
-        """An SD 1.x/2.x-style UNet (without SDXL's text_time conditioning): the planner measures
-        and plans it, but zerotrain encodes captions for Flux, SD3 and SDXL only, so it can neither
-        cache nor train it."""
-        return self.family == "unet" and self.config.get("addition_embed_type") != "text_time"
+        """The planner measures and plans it, but zerotrain cannot cache or train it (an SD 1.x/2.x
+        UNet: zerotrain encodes captions for the families' own pipelines only)."""
+        return families.of(self).plan_only(self) is not None
 
 
 def check_trainable(spec: ModelSpec) -> None:
     """Raise one line for a plan-only model (see ModelSpec.plan_only). prepare() calls it on every
     rank (for `zerotrain cache` and training) before anything is fetched or encoded."""
-    if spec.plan_only:
+    kind = families.of(spec).plan_only(spec)
+    if kind is not None:
+        trainable = ", ".join(dict.fromkeys(family.title for family in families.all_families()))
         raise ZerotrainError(
-            f"{_FIELD}='{spec.name}' is plan-only: zerotrain plans SD 1.x/2.x UNets but cannot cache or train "
-            "them (it encodes captions for Flux, SD3 and SDXL only); use it with zerotrain plan, or train a "
-            "Flux, SD3 or SDXL model"
+            f"{_FIELD}='{spec.name}' is plan-only: zerotrain plans {kind} but cannot cache or train them (it "
+            f"encodes captions for {trainable} models); "
+            "use it with zerotrain plan, or train one of those"
         )
 
 
@@ -310,54 +296,30 @@ def _spec(
             f"{_FIELD}: {denoiser_path} has _class_name '{class_name}', which zerotrain does not "
             f"support; supported: {_SUPPORTED}"
         )
-    family = FAMILIES[class_name]
-    latent_channels = _denoiser_latent_channels(family, config, denoiser_path)
+    family = families.by_class(class_name)
+    latent_channels = family.latent_channels(config, denoiser_path)
     if vae_path is None:
-        scale_factor = _FAMILY_VAE_SCALE_FACTOR
-        scaling, shift = _family_vae_scaling(family, config)
+        vae = family.published_vae(config)
     else:
-        vae = {**_AUTOENCODER_DEFAULTS, **_read_json(vae_path)}
-        scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
-        scaling, shift = vae["scaling_factor"], vae.get("shift_factor")
-        if vae["latent_channels"] != latent_channels:
+        vae = family.vae_facts(_read_json(vae_path))
+        if vae.latent_channels != latent_channels:
             raise ZerotrainError(
-                f"{_FIELD}: {vae_path} has latent_channels {vae['latent_channels']} but the denoiser "
+                f"{_FIELD}: {vae_path} has latent_channels {vae.latent_channels} but the denoiser "
                 f"{denoiser_path} expects {latent_channels}; the folder mixes models of different families"
             )
     return ModelSpec(
         name=name,
-        family=family,
+        family=family.name,
         class_name=class_name,
         config=config,
-        vae_scale_factor=scale_factor,
+        vae_scale_factor=vae.scale_factor,
         latent_channels=latent_channels,
-        vae_scaling_factor=scaling,
-        vae_shift_factor=shift,
+        vae_scaling_factor=vae.scaling_factor,
+        vae_shift_factor=vae.shift_factor,
         source=source,
         pretrained=pretrained,
         subfolder=subfolder,
     )
-
-
-def _denoiser_latent_channels(family: str, config: dict[str, Any], where: Path) -> int:
-    """Latent channels the denoiser predicts. out_channels, not in_channels: inpainting variants
-    feed extra mask/image channels in, but always predict the VAE latent."""
-    channels = config.get("out_channels") or config.get("in_channels") or _DEFAULT_IN_CHANNELS[family]
-    if family != "flux":
-        return channels
-    if channels % _FLUX_PACKING:
-        raise ZerotrainError(
-            f"{_FIELD}: {where} has {channels} output channels; Flux packs 2x2 latent patches, so it must "
-            "be a multiple of 4"
-        )
-    return channels // _FLUX_PACKING
-
-
-def _family_vae_scaling(family: str, config: dict[str, Any]) -> tuple[float, float | None]:
-    if family in _FAMILY_VAE_SCALING:
-        return _FAMILY_VAE_SCALING[family]
-    # Only SDXL-style UNets condition on (size, crop) time ids through text_time embeddings.
-    return _SDXL_VAE_SCALING if config.get("addition_embed_type") == "text_time" else _SD1_VAE_SCALING
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The conditioning each family's denoiser trains on, computed exactly as its diffusers pipeline
-computes it: VAE latents (scaled, and shifted for Flux/SD3), text embeddings and SDXL's time ids.
+computes it: VAE latents normalized into the denoiser's space, and text embeddings.
 
-Text embeddings come from the pipeline's own `encode_prompt` (FluxPipeline, StableDiffusion3Pipeline,
-StableDiffusionXLPipeline), built around the loaded text encoders with no denoiser, so they match
-inference token for token. The encoders are loaded once for caching and freed before training.
+Text embeddings come from the family pipeline's own `encode_prompt`, built around the loaded text
+encoders with no denoiser, so they match inference token for token. The encoders are loaded once for
+caching and freed before training. What differs between families (which pipeline, which encoders,
+how latents are normalized) the family says (zerotrain.families).
 """
 
 from __future__ import annotations
@@ -16,27 +17,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from zerotrain import families
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec, check_trainable
-from zerotrain.models.families import DENOISER_FOLDER
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL
 
-# The pipeline whose encode_prompt defines each family's text conditioning.
-PIPELINES = {"flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline", "unet": "StableDiffusionXLPipeline"}
-# (tokenizer, text encoder) components of each pipeline, in the pipeline's order.
-TEXT_COMPONENTS = {
-    "flux": [("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")],
-    "sd3": [
-        ("tokenizer", "text_encoder"),
-        ("tokenizer_2", "text_encoder_2"),
-        ("tokenizer_3", "text_encoder_3"),
-    ],
-    "unet": [("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2")],
-}
-# FluxPipeline and StableDiffusion3Pipeline refuse max_sequence_length above 512 T5 tokens.
-_MAX_T5_TOKENS = 512
 # Pixels the VAE takes are in [-1, 1]; the slack admits resampling overshoot (Lanczos rings past the range).
 _PIXEL_RANGE_SLACK = 0.05
 # Files up to this size enter the identity by content (configs, tokenizers, tiny weights); larger ones
@@ -49,7 +36,7 @@ class Encoders:
     """The VAE, tokenizers and text encoders of one model, loaded for caching and freed afterwards."""
 
     family: str
-    """flux, sd3 or unet (SDXL), as ModelSpec.family."""
+    """The family's name, as ModelSpec.family."""
     vae: AutoencoderKL | None
     """None once freed."""
     tokenizers: list
@@ -87,7 +74,7 @@ def encoder_folder(spec: ModelSpec, folder_or_hub: str | Path, revision: str | N
     pipeline_class = _pipeline_class(spec)
     try:
         return Path(pipeline_class.download(str(folder_or_hub), revision=revision,
-                                            **{DENOISER_FOLDER[spec.family]: None, "scheduler": None}))
+                                            **{families.of(spec).denoiser_folder: None, "scheduler": None}))
     except (OSError, ValueError) as err:
         reason = " ".join(str(err).split())[:500]
         raise ZerotrainError(f"model.name_or_path='{folder_or_hub}': cannot fetch its VAE and text encoders "
@@ -96,7 +83,7 @@ def encoder_folder(spec: ModelSpec, folder_or_hub: str | Path, revision: str | N
 
 def encoders_identity(spec: ModelSpec, folder: Path, dtype: torch.dtype = torch.float32) -> str:
     """What identifies the VAE and text encoders a cache was built with, without loading them."""
-    components = TEXT_COMPONENTS[spec.family]
+    components = families.of(spec).text_components
     subfolders = ["vae", *(name for pair in components for name in pair)]
     return _identity(folder, subfolders, f"{spec.family} {dtype}")
 
@@ -113,7 +100,7 @@ def load_encoders(
     `device` in `dtype`. SDXL's VAE overflows in float16 (diffusers keeps it in float32 there): use
     float32 or bfloat16."""
     pipeline_class = _pipeline_class(spec)
-    skipped = {DENOISER_FOLDER[spec.family]: None, "scheduler": None}
+    skipped = {families.of(spec).denoiser_folder: None, "scheduler": None}
     folder = encoder_folder(spec, folder_or_hub, revision)
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -128,7 +115,7 @@ def load_encoders(
             f"model.name_or_path='{folder_or_hub}': cannot load the VAE and text encoders of a "
             f"{pipeline_class.__name__} from it ({reason})"
         ) from err
-    components = TEXT_COMPONENTS[spec.family]
+    components = families.of(spec).text_components
     tokenizers = [getattr(pipeline, tokenizer) for tokenizer, _ in components]
     text_encoders = [getattr(pipeline, encoder) for _, encoder in components]
     for module in [pipeline.vae, *text_encoders]:
@@ -159,123 +146,72 @@ def encode_latents(
     vae.encode(pixels).latent_dist.sample(), then scaled (and shifted). pixels: (B, 3, H, W) in [-1, 1];
     returns (B, latent_channels, H / f, W / f) in the VAE's dtype."""
     vae, posterior = _posterior(encoders, pixels)
-    return scale_latents(posterior.sample(generator), *_vae_scaling(vae))
+    return families.by_name(encoders.family).normalize_latents(vae, posterior.sample(generator))
 
 
 def encode_latent_moments(encoders: Encoders, pixels: torch.Tensor) -> LatentMoments:
     """The posterior behind encode_latents, scaled into the denoiser's latent space, for caching:
     LatentMoments.sample gives what encode_latents gives for the same generator."""
     vae, posterior = _posterior(encoders, pixels)
-    scaling, shift = _vae_scaling(vae)
-    return LatentMoments(mean=scale_latents(posterior.mean, scaling, shift), std=posterior.std * scaling)
-
-
-def scale_latents(latents: torch.Tensor, scaling_factor: float, shift_factor: float | None) -> torch.Tensor:
-    """VAE latents (B, C, h, w) into the denoiser's space: (z - shift) * scaling (Flux, SD3) or
-    z * scaling (SDXL, shift None). The pipelines undo it before decoding: z / scaling + shift."""
-    if latents.ndim != 4:
-        raise ValueError(f"scale_latents: expected latents (B, C, h, w), got shape {tuple(latents.shape)}")
-    if shift_factor is not None:
-        latents = latents - shift_factor
-    return latents * scaling_factor
+    family = families.by_name(encoders.family)
+    return LatentMoments(mean=family.normalize_latents(vae, posterior.mean), std=family.normalize_std(vae, posterior.std))
 
 
 def encode_prompts(encoders: Encoders, captions: list[str], text_tokens: int) -> dict[str, torch.Tensor]:
     """Text conditioning for a batch of captions, as the family's pipeline computes it (one image per
-    prompt, no classifier-free guidance). text_tokens is the sequence length the denoiser sees:
-    - Flux: T5 tokens (max_sequence_length). prompt_embeds (B, T, d_T5); pooled_prompt_embeds (B, d_CLIP),
-      CLIP-L's pooled output.
-    - SD3: CLIP's 77 tokens plus text_tokens - 77 T5 tokens. prompt_embeds (B, T, d_T5): the two CLIPs'
-      penultimate states concatenated and zero-padded to d_T5, followed by T5's; pooled_prompt_embeds
-      (B, p_L + p_G), the two CLIP projections.
-    - SDXL: CLIP's 77 tokens. prompt_embeds (B, 77, d_L + d_G): both CLIPs' penultimate states;
-      pooled_prompt_embeds (B, p_G), text_encoder_2's projection.
-    Flux's text ids are zeros (text_tokens, 3) and are not returned."""
+    prompt, no classifier-free guidance), named as the family's text_outputs; text_tokens is the
+    sequence length the denoiser sees. Each family's encode_prompt says what its tensors hold."""
     if not encoders.text_encoders:
         raise ZerotrainError("encode_prompts: these encoders were freed; load them again with load_encoders")
     if not captions or not all(isinstance(caption, str) for caption in captions):
         raise ValueError(f"encode_prompts: captions must be a non-empty list of strings, got {captions!r}")
+    family = families.by_name(encoders.family)
     pipeline = _text_pipeline(encoders)
-    clip_tokens = pipeline.tokenizer.model_max_length
-    device = encoders.text_encoders[0].device
     with torch.no_grad():
-        if encoders.family == "flux":
-            _check_tokens(text_tokens, 1, _MAX_T5_TOKENS, "T5 tokens for Flux")
-            prompt_embeds, pooled, _ = pipeline.encode_prompt(
-                captions, device=device, max_sequence_length=text_tokens
-            )
-        elif encoders.family == "sd3":
-            _check_tokens(
-                text_tokens,
-                clip_tokens + 1,
-                clip_tokens + _MAX_T5_TOKENS,
-                f"{clip_tokens} CLIP + T5 tokens for SD3",
-            )
-            prompt_embeds, _, pooled, _ = pipeline.encode_prompt(
-                captions,
-                None,
-                None,
-                device=device,
-                do_classifier_free_guidance=False,
-                max_sequence_length=text_tokens - clip_tokens,
-            )
-        else:
-            _check_tokens(text_tokens, clip_tokens, clip_tokens, "CLIP tokens for SDXL")
-            prompt_embeds, _, pooled, _ = pipeline.encode_prompt(
-                captions, device=device, do_classifier_free_guidance=False
-            )
+        out = family.encode_prompt(pipeline, captions, text_tokens, encoders.text_encoders[0].device)
     batch = len(captions)
-    if prompt_embeds.shape[:2] != (batch, text_tokens) or pooled.ndim != 2 or pooled.shape[0] != batch:
+    shapes = {name: tuple(value.shape) for name, value in out.items()}
+    if (
+        tuple(out) != family.text_outputs
+        or any(shape[0] != batch for shape in shapes.values())
+        or shapes["prompt_embeds"][:2] != (batch, text_tokens)
+    ):
         raise AssertionError(
-            f"encode_prompts: expected ({batch}, {text_tokens}, D) and ({batch}, P), "
-            f"got {tuple(prompt_embeds.shape)} and {tuple(pooled.shape)}"
+            f"encode_prompts: expected {family.text_outputs} with {batch} rows and prompt_embeds "
+            f"({batch}, {text_tokens}, D), got {shapes}"
         )
-    return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
-
-
-def sdxl_time_ids(
-    original_size: tuple[int, int], crop_top_left: tuple[int, int], target_size: tuple[int, int]
-) -> torch.Tensor:
-    """SDXL's add_time_ids of one image, (6,) float32, as StableDiffusionXLPipeline._get_add_time_ids
-    lays them out: original (height, width), crop (top, left), target (height, width). Training records
-    the original size before resizing and the crop actually taken, as train_text_to_image_sdxl.py does."""
-    parts = {"original_size": original_size, "crop_top_left": crop_top_left, "target_size": target_size}
-    for name, value in parts.items():
-        if len(value) != 2 or any(int(v) != v or v < 0 for v in value):
-            raise ValueError(f"sdxl_time_ids: {name} must be two non-negative integers, got {value!r}")
-    return torch.tensor([int(v) for value in parts.values() for v in value], dtype=torch.float32)
+    return out
 
 
 def _pipeline_class(spec: ModelSpec) -> Any:
     import diffusers
 
     check_trainable(spec)
-    return getattr(diffusers, PIPELINES[spec.family])
+    return getattr(diffusers, families.of(spec).pipeline_name(spec))
 
 
 def _text_pipeline(encoders: Encoders) -> Any:
     """The family's pipeline around the text components only: its encode_prompt is the reference."""
     import diffusers
 
-    components: dict[str, Any] = {"vae": None, "scheduler": None, DENOISER_FOLDER[encoders.family]: None}
+    family = families.by_name(encoders.family)
+    components: dict[str, Any] = {"vae": None, "scheduler": None, family.denoiser_folder: None,
+                                  **family.pipeline_extras}
     for (tokenizer_name, encoder_name), tokenizer, encoder in zip(
-        TEXT_COMPONENTS[encoders.family], encoders.tokenizers, encoders.text_encoders, strict=True
+        family.text_components, encoders.tokenizers, encoders.text_encoders, strict=True
     ):
         components[tokenizer_name], components[encoder_name] = tokenizer, encoder
-    if encoders.family == "unet":
-        components["add_watermarker"] = False  # only decoded images are watermarked
-    return getattr(diffusers, PIPELINES[encoders.family])(**components)
+    return getattr(diffusers, family.pipeline)(**components)
 
 
 def _posterior(encoders: Encoders, pixels: torch.Tensor) -> tuple[Any, Any]:
     vae = encoders.vae
     if vae is None:
         raise ZerotrainError("encode_latents: these encoders were freed; load them again with load_encoders")
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    if pixels.ndim != 4 or pixels.shape[1] != vae.config.in_channels:
-        raise ValueError(
-            f"encode_latents: expected pixels (B, {vae.config.in_channels}, H, W), got {tuple(pixels.shape)}"
-        )
+    family = families.by_name(encoders.family)
+    factor = family.vae_downsampling(vae)
+    if pixels.ndim != 4 or pixels.shape[1] != 3:
+        raise ValueError(f"encode_latents: expected pixels (B, 3, H, W), got {tuple(pixels.shape)}")
     batch, _, height, width = pixels.shape
     if height % factor or width % factor:
         raise ValueError(
@@ -287,22 +223,13 @@ def _posterior(encoders: Encoders, pixels: torch.Tensor) -> tuple[Any, Any]:
             f"encode_latents: pixels must lie in [-1, 1], got [{low.item():.3g}, {high.item():.3g}]"
         )
     with torch.no_grad():
-        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
-    expected = (batch, vae.config.latent_channels, height // factor, width // factor)
+        posterior = family.posterior(vae, pixels)
+    expected = (batch, family.vae_latent_channels(vae), height // factor, width // factor)
     if tuple(posterior.mean.shape) != expected:
         raise AssertionError(
             f"encode_latents: expected latents {expected}, got {tuple(posterior.mean.shape)}"
         )
     return vae, posterior
-
-
-def _vae_scaling(vae: Any) -> tuple[float, float | None]:
-    return vae.config.scaling_factor, getattr(vae.config, "shift_factor", None)
-
-
-def _check_tokens(text_tokens: int, low: int, high: int, what: str) -> None:
-    if not low <= text_tokens <= high:
-        raise ZerotrainError(f"text_tokens={text_tokens}: must be {low}..{high} ({what})")
 
 
 def _identity(folder: Path, subfolders: list[str], salt: str) -> str:

@@ -9,7 +9,8 @@ from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
 from zerotrain.models.catalog import ModelSpec
-from zerotrain.planner.facts import ModelFacts, measure_model
+from zerotrain.planner.facts import ModelFacts
+from zerotrain.planner.measure import measure_model
 from zerotrain.planner.search import Candidate, Plan, gib, plan, suggest_gpu_memory, suggest_more_gpus
 
 # Largest terms shown inline per candidate row.

@@ -26,9 +26,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry
 
+from zerotrain import families
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.models.catalog import ModelSpec
-from zerotrain.models.families import example_inputs, image_tokens
 from zerotrain.planner.facts import ActivationFacts, ModelFacts, lora_targets
 
 BF16 = 2  # bytes per bf16 element
@@ -180,14 +180,15 @@ def _drop_grad(param: torch.Tensor) -> None:
 
 def trace_activations(
     model: torch.nn.Module, inputs: dict[str, Any], gradient_checkpointing: bool,
-    saved_inputs_of: tuple[type, ...] = (),
+    saved_inputs_of: tuple[type, ...] = (), prediction: Any = None,
 ) -> ActivationFacts:
     """One forward and backward of `model` on `inputs` under LiveBytesMode and flash accounting.
 
     Parameter gradients are dropped as soon as they are accumulated, as ZeRO's reduce hooks
     move them out of the autograd graph. `saved_inputs_of` lists module types whose forward
     inputs stay saved for backward even when their weight is frozen (quanto's
-    QuantizedLinearFunction saves its input whenever autograd records it)."""
+    QuantizedLinearFunction saves its input whenever autograd records it). `prediction` turns the
+    forward's first output into one tensor (Family.prediction; the output itself by default)."""
     if gradient_checkpointing:
         # Non-reentrant checkpointing as diffusers uses it; RNG state is not needed for a trace.
         model.enable_gradient_checkpointing(
@@ -208,6 +209,7 @@ def trace_activations(
     try:
         with flash_attention_accounting(accountant), mode:
             out = model(**inputs, return_dict=False)[0]
+            out = prediction(out) if prediction is not None else out
             loss = F.mse_loss(out.float(), torch.zeros_like(out, dtype=torch.float32))
             forward_peak, saved = mode.peak, mode.live
             mode.reset_peak()
@@ -273,7 +275,7 @@ def _extrapolate(base: ActivationFacts, slopes: list[tuple[ActivationFacts, int]
 
 def trace_by_blocks(
     model: torch.nn.Module, inputs: dict[str, Any], gradient_checkpointing: bool,
-    saved_inputs_of: tuple[type, ...] = (),
+    saved_inputs_of: tuple[type, ...] = (), prediction: Any = None,
 ) -> ActivationFacts:
     """trace_activations on a reduced-depth model, extrapolated to the full depth.
 
@@ -285,10 +287,10 @@ def trace_by_blocks(
     (UNets) are traced whole."""
     groups = repeated_block_groups(model)
     if not groups:
-        return trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of)
+        return trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction)
     base_keep = {name: [g[0] for g in lists] for name, lists in groups.items()}
     with keep_blocks(model, base_keep):
-        base = trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of)
+        base = trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction)
     slopes = []
     for name, lists in groups.items():
         for group in lists:
@@ -297,7 +299,7 @@ def trace_by_blocks(
             keep = {n: list(v) for n, v in base_keep.items()}
             keep[name].append(group[1])
             with keep_blocks(model, keep):
-                slopes.append((trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of),
+                slopes.append((trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction),
                                len(group) - 1))
     return _extrapolate(base, slopes)
 
@@ -399,12 +401,13 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
     trainable = sum(p.numel() for p in params if p.requires_grad)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     resolution = run.data.resolution
-    inputs = example_inputs(spec, 1, resolution, resolution, text_tokens, "meta", torch.bfloat16)
+    family = families.of(spec)
+    inputs = family.example_inputs(spec, 1, resolution, resolution, text_tokens, "meta", torch.bfloat16)
     input_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
     quantize = run.training.quantize_base
     saved_inputs_of = (torch.nn.Linear, torch.nn.Conv2d) if quantize is not Quantization.none else ()
-    no_gc = trace_by_blocks(model, inputs, False, saved_inputs_of)
-    gc = trace_by_blocks(model, inputs, True, saved_inputs_of)
+    no_gc = trace_by_blocks(model, inputs, False, saved_inputs_of, family.prediction)
+    gc = trace_by_blocks(model, inputs, True, saved_inputs_of, family.prediction)
     facts = ModelFacts(
         model=spec.name, class_name=spec.class_name, family=spec.family, resolution=resolution,
         mode=run.training.mode.value, quantize=quantize.value,
@@ -415,7 +418,7 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
         largest_layer_params=largest, block_params=block_params(model),
         param_numels=sorted(p.numel() for p in params),
         largest_trainable_param=max((p.numel() for p in params if p.requires_grad), default=0),
-        image_tokens=image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
+        image_tokens=family.image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
         no_checkpointing=no_gc, checkpointing=gc, trace_seconds=round(time.perf_counter() - start, 3),
     )
     return facts

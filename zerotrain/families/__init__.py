@@ -1,0 +1,92 @@
+"""Model families as plug-ins: one module per family, each defining `FAMILY`, an instance of
+`zerotrain.families.base.Family`. Adding a family is adding a module here (plus its catalog configs
+and tests); every module of this package that defines FAMILY is found at import.
+
+The rest of zerotrain asks `of(spec)` for the family of a resolved model and never tests a family's
+name."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import cache
+from typing import TYPE_CHECKING
+
+from zerotrain.errors import ZerotrainError
+from zerotrain.families.base import Family, VaeFacts
+
+if TYPE_CHECKING:
+    from zerotrain.models.catalog import ModelSpec
+
+__all__ = [
+    "Family",
+    "VaeFacts",
+    "all_families",
+    "by_class",
+    "by_name",
+    "check_resolution",
+    "example_inputs",
+    "of",
+    "pixel_factor",
+    "supported_classes",
+]
+
+
+@cache
+def all_families() -> tuple[Family, ...]:
+    """Every family, in module name order."""
+    found = []
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if module.name.startswith("_") or module.name == "base":
+            continue
+        family = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FAMILY", None)
+        if isinstance(family, Family):
+            found.append(family)
+    return tuple(found)
+
+
+def by_class(class_name: str) -> Family | None:
+    """The family that trains this diffusers denoiser class, if any."""
+    return next((f for f in all_families() if class_name in f.denoiser_classes), None)
+
+
+def by_name(name: str) -> Family:
+    family = next((f for f in all_families() if f.name == name), None)
+    if family is None:
+        known = ", ".join(f.name for f in all_families())
+        raise ZerotrainError(f"no model family '{name}'; zerotrain knows {known}")
+    return family
+
+
+def of(spec: ModelSpec) -> Family:
+    """The family of a resolved model."""
+    try:
+        return by_name(spec.family)
+    except ZerotrainError as err:
+        raise ZerotrainError(f"model.name_or_path='{spec.name}': {err}") from None
+
+
+def supported_classes() -> list[str]:
+    """Every denoiser class some family trains, families in order."""
+    return [name for family in all_families() for name in family.denoiser_classes]
+
+
+def check_resolution(spec: ModelSpec, resolution: int) -> None:
+    """One line when data.resolution is not a multiple of the model's pixel factor."""
+    factor = of(spec).pixel_factor(spec)
+    if resolution % factor:
+        lower, upper = resolution // factor * factor, (resolution // factor + 1) * factor
+        raise ZerotrainError(
+            f"data.resolution={resolution} is not a multiple of {factor} for {spec.name} "
+            f"(VAE x{spec.vae_scale_factor} times the denoiser's patching); use {lower or upper} or {upper}"
+        )
+
+
+def pixel_factor(spec: ModelSpec) -> int:
+    """Sides of a training image of this model must be multiples of this (Family.pixel_factor)."""
+    return of(spec).pixel_factor(spec)
+
+
+def example_inputs(spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int, device, dtype) -> dict:
+    """The denoiser's forward arguments for one training step on random inputs (Family.example_inputs)."""
+    return of(spec).example_inputs(spec, batch, height, width, text_tokens, device, dtype)
