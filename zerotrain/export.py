@@ -48,6 +48,7 @@ from zerotrain import families
 from zerotrain.config import Mode, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.quiet import hidden_warnings
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -416,7 +417,7 @@ def _write_full(
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), hidden_warnings():
             model = spec.denoiser_class().from_config(spec.config)
         try:
             model.load_state_dict(weights, strict=True, assign=True)

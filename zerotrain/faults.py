@@ -34,6 +34,7 @@ class StopSignal:
         self.grace_seconds = grace_seconds
         self.received: str | None = None
         self._previous: dict[int, Any] = {}
+        self._watchdog: threading.Timer | None = None
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -42,9 +43,9 @@ class StopSignal:
         if self.received is not None:
             return
         self.received = signal.Signals(signum).name
-        watchdog = threading.Timer(self.grace_seconds, self._expire)
-        watchdog.daemon = True
-        watchdog.start()
+        self._watchdog = threading.Timer(self.grace_seconds, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
 
     def _expire(self) -> None:
         print(f"zerotrain: error: no checkpoint within the {self.grace_seconds:.0f} s grace period after "
@@ -53,6 +54,11 @@ class StopSignal:
         os._exit(1)
 
     def restore(self) -> None:
+        """Put the previous handlers back and stop the watchdog: the run is over (its checkpoint is
+        written), and a process that goes on (zerotrain train called in-process) must not be ended."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

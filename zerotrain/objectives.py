@@ -154,30 +154,10 @@ def shift_sigmas(t: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def dynamic_shift(scheduler_config: dict[str, Any], family: str, image_seq_len: int) -> float:
-    """The shift FluxPipeline (and the other pipelines with use_dynamic_shifting) samples with for
-    image_seq_len image tokens: mu from diffusers' calculate_shift, linear in the sequence length between
-    the scheduler config's (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), mapped
-    through the scheduler's time_shift_type. `family` names the family whose pipeline defaults fill
-    what the config leaves out."""
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    if image_seq_len < 1:
-        raise ValueError(f"dynamic_shift: image_seq_len must be positive, got {image_seq_len}")
-    defaults = families.by_name(family).shift_defaults
-    params = {key: scheduler_config.get(key, value) for key, value in defaults.items()}
-    mu = calculate_shift(
-        image_seq_len,
-        params["base_image_seq_len"],
-        params["max_image_seq_len"],
-        params["base_shift"],
-        params["max_shift"],
-    )
-    kind = scheduler_config.get("time_shift_type", "exponential")
-    if kind == "exponential":
-        return math.exp(mu)
-    if kind == "linear":
-        return float(mu)
-    raise ZerotrainError(f"scheduler_config.json: time_shift_type '{kind}' is not exponential or linear")
+    """The shift the family's pipeline samples with for image_seq_len image tokens when its scheduler
+    uses dynamic shifting (Family.dynamic_shift: FluxPipeline's calculate_shift unless the family
+    says otherwise), mapped through the scheduler's time_shift_type."""
+    return families.by_name(family).dynamic_shift(scheduler_config, image_seq_len)
 
 
 def flow_interpolate(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -214,7 +194,7 @@ class FlowMatching:
         if self.config.shift != "auto":
             return float(self.config.shift)
         if self.scheduler_config.get("use_dynamic_shifting", False):
-            return dynamic_shift(self.scheduler_config, self.family.name, image_seq_len)
+            return self.family.dynamic_shift(self.scheduler_config, image_seq_len)
         return float(self.scheduler_config.get("shift", 1.0))
 
     def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:

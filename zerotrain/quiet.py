@@ -28,6 +28,11 @@ HIDDEN_WARNINGS: list[tuple[str, type[Warning], str]] = [
      r"torch\.distributed\.c10d_logger$"),
     (r"`torch\.distributed\.reduce_scatter_tensor` is deprecated", FutureWarning,
      r"torch\.distributed\.c10d_logger$"),
+    # diffusers 0.42's ChromaTransformer2DModel builds its rotary embedding through the deprecated
+    # alias diffusers.models.embeddings.FluxPosEmbed, which returns the very class it names. For
+    # diffusers to act on, on every rank, whenever a Chroma model is built.
+    (r"`FluxPosEmbed` is deprecated and will be removed in version [\d.]+\. Importing and using `FluxPosEmbed` from `diffusers\.models\.embeddings`",
+     FutureWarning, r"diffusers\.models\.embeddings$"),
 ]
 
 # Logging records: (logger name, message regex). A filter on the logger the record is made on.
@@ -140,6 +145,16 @@ class _Matching(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not self.pattern.match(record.getMessage())
+
+
+@contextlib.contextmanager
+def hidden_warnings():
+    """Only the HIDDEN_WARNINGS filters, for a block outside train() (building a model to plan or
+    export it prints the same library warnings); the filters are restored after it."""
+    with warnings.catch_warnings():
+        for message, category, module in HIDDEN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category, module=module)
+        yield
 
 
 def quiet_libraries(verbose: bool, rank: int) -> contextlib.ExitStack:

@@ -116,8 +116,7 @@ class Validator:
         guidance = self.config.guidance_scale
         # The default guidance_scale of the family pipeline's __call__.
         self.guidance_scale = self.family.default_guidance if guidance is None else guidance
-        # The pipelines run classifier-free guidance only above 1 (do_classifier_free_guidance).
-        self.cfg = self.family.classifier_free_guidance and self.guidance_scale > 1
+        self.cfg = self.family.classifier_free(self.guidance_scale) and self.family.takes_negative(spec, self.folder)
         self.jobs = make_jobs(self.config.prompts, self.config.seeds)
         self.prompt_embeds: list[dict[str, torch.Tensor]] = []
         self.negative_embeds: dict[str, torch.Tensor] = {}
@@ -187,7 +186,7 @@ class Validator:
         vae = getattr(diffusers, family.vae_class).from_pretrained(self.folder, subfolder="vae", torch_dtype=model.dtype)
         vae.to(self.device).requires_grad_(False).eval()
         components: dict[str, Any] = {"vae": vae, "scheduler": self.scheduler, family.denoiser_folder: model,
-                                      **family.pipeline_extras}
+                                      **family.pipeline_kwargs(self.spec, self.folder)}
         for tokenizer, encoder in family.text_components:
             components[tokenizer] = components[encoder] = None
         pipeline = getattr(diffusers, family.pipeline_name(self.spec))(**components)

@@ -32,6 +32,18 @@ PARAMETERS = {
     "tiny-flux": 78_544,
     "tiny-sd3": 88_320,
     "tiny-sdxl": 1_012_324,
+    "qwen-image": 20_430_401_088,
+    "tiny-qwen-image": 92_448,
+    "flux2-dev": 32_223_281_152,
+    "flux2-klein-4b": 3_875_544_576,
+    "flux2-klein-9b": 9_078_581_248,
+    "tiny-flux2": 104_128,
+    "tiny-flux2-klein": 102_080,
+    "z-image": 6_154_908_736,
+    "z-image-turbo": 6_154_908_736,
+    "tiny-z-image": 364_176,
+    "chroma": 8_899_983_424,
+    "tiny-chroma": 45_808,
 }
 TINY = ["tiny-flux", "tiny-sd3", "tiny-sdxl"]
 

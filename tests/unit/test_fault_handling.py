@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from zerotrain.config import load_config
@@ -45,11 +46,18 @@ def test_oom_advice_names_the_plan_with_a_lower_budget(tmp_path):
 
 def test_a_signal_sets_the_flag_and_the_watchdog_ends_a_stuck_process():
     stop = StopSignal(grace_seconds=60)
+    watchdogs = set(threading.enumerate())
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.received == "SIGUSR1"
+        watchdogs = set(threading.enumerate()) - watchdogs
+        assert len(watchdogs) == 1
     finally:
         stop.restore()
+    # restore() stops the watchdog: it would otherwise end this process (pytest itself) 60 s later.
+    watchdog = watchdogs.pop()
+    watchdog.join(timeout=5)
+    assert not watchdog.is_alive()
     script = ("import os, signal, time\nfrom zerotrain.faults import StopSignal\ns = StopSignal(0.5)\n"
               "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60,

@@ -86,19 +86,47 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_module_outside_families_names_a_family():
+def family_name_tests(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """Where code tests a family's name: a comparison (==, !=, in) with one, a subscript by one, or a
+    dict keyed by one (a per-family table). A catalog name that happens to equal a family's name,
+    passed as an argument, is not a test."""
+    def named(node: ast.AST) -> list[ast.Constant]:
+        elements = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+        return [e for e in elements if isinstance(e, ast.Constant) and e.value in names]
+
+    found: list[ast.Constant] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                found += named(side)
+        elif isinstance(node, ast.Subscript):
+            found += named(node.slice)
+        elif isinstance(node, ast.Dict):
+            found += [key for key in node.keys if key is not None and key in named(key)]
+    return [(c.lineno, c.value) for c in found]
+
+
+def test_no_module_outside_families_tests_a_family_name():
     """Outside zerotrain/families/, code asks the family (families.of(spec)) instead of comparing
-    names: no string constant there equals a family's name."""
+    names or keeping per-family tables."""
     names = {family.name for family in families.all_families()}
     assert {"flux", "sd3", "unet"} <= names
-    offenders = []
-    for name, path in MODULES.items():
-        if name.startswith("zerotrain.families"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Constant) and node.value in names:
-                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.value!r}")
+    offenders = [f"{path.relative_to(PACKAGE.parent)}:{line} {value!r}"
+                 for name, path in MODULES.items() if not name.startswith("zerotrain.families")
+                 for line, value in family_name_tests(ast.parse(path.read_text(encoding="utf-8")), names)]
     assert offenders == []
+
+
+def test_the_family_name_finder_finds_comparisons_lookups_and_tables():
+    code = """
+if spec.family == "flux": pass
+if family in ("sd3", "unet"): pass
+x = TABLE["flux"]
+y = {"sd3": 1, "other": 2}
+plan(["--model", "flux"])
+"""
+    assert family_name_tests(ast.parse(code), {"flux", "sd3", "unet"}) == [
+        (2, "flux"), (3, "sd3"), (3, "unet"), (4, "flux"), (5, "sd3")]
 
 
 def test_every_family_module_defines_one_family():

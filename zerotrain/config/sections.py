@@ -142,7 +142,9 @@ class DataConfig(_Section):
     """Target training resolution R in pixels; buckets have about R x R pixels."""
     text_tokens: int | None = Field(None, ge=1)
     """Text sequence length fed to the denoiser; the family's default when not given
-    (Flux 512 T5 tokens, SD3 77 CLIP + 256 T5, SDXL/SD1.5 77)."""
+    (Flux, Chroma, FLUX.2, Qwen-Image and Z-Image 512, SD3 77 CLIP + 256 T5, SDXL/SD1.5 77). Families
+    with variable-length text (Qwen-Image, Z-Image, Chroma) cache up to this many tokens and train on
+    each caption's own length."""
     datasets: list[DatasetConfig] = Field(default_factory=list)
     """Image folders or manifests to train on, each with its repeat count."""
     bucket_step: int = Field(64, ge=8, le=512)
@@ -192,9 +194,9 @@ class ObjectiveConfig(_Section):
     """Scale of the mode timestep distribution."""
     shift: Literal["auto"] | float = "auto"
     """Flow matching timestep shift: auto uses the scheduler's (resolution-dependent for Flux,
-    3.0 for SD3); a number fixes it."""
+    Chroma, FLUX.2 and Qwen-Image, 3.0 for SD3, 6.0 for Z-Image); a number fixes it."""
     guidance: float = Field(1.0, ge=0)
-    """Guidance value fed to a guidance-distilled Flux (flux-dev) during training."""
+    """Guidance value fed to a guidance-distilled model (flux-dev, FLUX.2 [dev]) during training."""
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
     """DDPM models (SDXL): auto uses the scheduler's prediction type."""
     min_snr_gamma: float | None = Field(None, gt=0)
@@ -311,10 +313,11 @@ class ValidationConfig(_Section):
     steps: int = Field(28, ge=1, le=1000)
     """Denoising steps per image."""
     guidance_scale: float | None = Field(None, ge=0.0)
-    """Guidance: Flux's distilled guidance, classifier-free guidance for SD3 and SDXL; the
-    family's usual value when not given (Flux 3.5, SD3 7.0, SDXL 5.0)."""
+    """Guidance: distilled guidance for Flux and FLUX.2 [dev], classifier-free guidance for the
+    others; the family pipeline's usual value when not given (Flux 3.5, FLUX.2 4.0, SD3 7.0, SDXL 5.0,
+    Chroma 5.0, Z-Image 5.0 (use 0 for Z-Image-Turbo), Qwen-Image 4.0 as true_cfg_scale)."""
     negative_prompt: str = ""
-    """Negative prompt for classifier-free guidance (SD3, SDXL)."""
+    """Negative prompt for classifier-free guidance (every family but Flux and FLUX.2 [dev])."""
     use_ema: bool = False
     """Render with the EMA weights (needs ema.enabled)."""
 
@@ -398,7 +401,7 @@ class RunConfig(_Section):
     planner: PlannerConfig = Field(default_factory=PlannerConfig)
     """Search space and calibration constants of the memory planner."""
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
-    """Training objective: flow matching (Flux, SD3) or DDPM (SDXL)."""
+    """Training objective: flow matching (every DiT family) or DDPM (SDXL)."""
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     """Validation images rendered during training."""
     ema: EmaConfig = Field(default_factory=EmaConfig)

@@ -13,6 +13,7 @@ methods), so resolving a model and reading cached plan facts stays fast.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -182,6 +183,20 @@ class Family:
         """DDPM families: whether the UNet takes SDXL's pooled text and size/crop time ids."""
         return False
 
+    def dynamic_shift(self, scheduler_config: dict[str, Any], image_seq_len: int) -> float:
+        """The shift the pipeline samples with for image_seq_len image tokens when the scheduler uses
+        dynamic shifting. By default FluxPipeline's: mu from diffusers' calculate_shift, linear in the
+        sequence length between the scheduler config's (base_image_seq_len, base_shift) and
+        (max_image_seq_len, max_shift), shift_defaults filling what the config leaves out."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        if image_seq_len < 1:
+            raise ValueError(f"dynamic_shift: image_seq_len must be positive, got {image_seq_len}")
+        params = {key: scheduler_config.get(key, value) for key, value in self.shift_defaults.items()}
+        mu = calculate_shift(image_seq_len, params["base_image_seq_len"], params["max_image_seq_len"],
+                             params["base_shift"], params["max_shift"])
+        return shift_from_mu(scheduler_config, mu)
+
     def flow_inputs(
         self, objective: FlowMatching, x_t: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor,
         batch: dict[str, torch.Tensor],
@@ -204,6 +219,22 @@ class Family:
         raise NotImplementedError
 
     # --- validation images -------------------------------------------------------------------------
+
+    def classifier_free(self, guidance_scale: float) -> bool:
+        """Whether the pipeline runs classifier-free guidance (a negative prediction per step, from the
+        negative prompt's embeddings) at this guidance_scale: above 1 (do_classifier_free_guidance)."""
+        return self.classifier_free_guidance and guidance_scale > 1
+
+    def takes_negative(self, spec: ModelSpec, folder: Path) -> bool:
+        """Whether the pipeline of this model (its folder's model_index.json) guides with a negative
+        prompt at all: always by default; a family whose models differ (guidance-distilled ones beside
+        classifier-free ones) says per model."""
+        return True
+
+    def pipeline_kwargs(self, spec: ModelSpec, folder: Path) -> dict[str, Any]:
+        """Constructor arguments beyond the components when zerotrain builds this model's pipeline around
+        the trained denoiser (settings of its folder's model_index.json): pipeline_extras by default."""
+        return dict(self.pipeline_extras)
 
     def validation_kwargs(
         self, embeds: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None, guidance_scale: float
@@ -255,6 +286,17 @@ def text_and_pooled(batch: dict[str, torch.Tensor], b: int) -> tuple[torch.Tenso
     if pooled.ndim != 2 or pooled.shape[0] != b:
         raise ValueError(f"pooled_prompt_embeds must be ({b}, P), got {tuple(pooled.shape)}")
     return text, pooled
+
+
+def shift_from_mu(scheduler_config: dict[str, Any], mu: float) -> float:
+    """The static shift equal to the scheduler's time_shift(mu, 1, t): e^mu for its exponential
+    time_shift_type, mu for the linear one."""
+    kind = scheduler_config.get("time_shift_type", "exponential")
+    if kind == "exponential":
+        return math.exp(mu)
+    if kind == "linear":
+        return float(mu)
+    raise ZerotrainError(f"scheduler_config.json: time_shift_type '{kind}' is not exponential or linear")
 
 
 def kohya_lora(name: str, down: torch.Tensor, up: torch.Tensor, alpha: float) -> dict[str, torch.Tensor]:

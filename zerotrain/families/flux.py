@@ -4,6 +4,7 @@ output and T5's sequence, as FluxPipeline and diffusers' train_dreambooth_flux.p
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.errors import ZerotrainError
@@ -45,18 +46,22 @@ FLUX_SCHEDULER = {
 
 # FluxTransformer2DModel module -> Black Forest Labs' module, as ComfyUI maps them
 # (comfy/utils.py flux_to_diffusers) and kohya sd-scripts names Flux LoRAs. Fused BFL layers list
-# their diffusers parts in output order (q, k, v[, mlp]).
+# their diffusers parts in output order (q, k, v[, mlp]). The q/k RMSNorms (no LoRA can target them)
+# are listed for full state dicts, where BFL calls their weight "scale".
 _DOUBLE = {
     "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj",
     "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
     "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2",
     "ff_context.net.0.proj": "txt_mlp.0", "ff_context.net.2": "txt_mlp.2",
+    "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+    "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
 }
 _DOUBLE_FUSED = {
     "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
     "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
 }
-_SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2"}
+_SINGLE = {"norm.linear": "modulation.lin", "proj_out": "linear2",
+           "attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
 _SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
 _TOP = {
     "x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
@@ -176,60 +181,8 @@ class Flux(Family):
         return inputs
 
     def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
-        """"lora_unet_" + the Black Forest Labs module path with "." -> "_" (kohya sd-scripts' Flux names,
-        e.g. lora_unet_double_blocks_0_img_attn_qkv). Diffusers' separate q/k/v (and a single block's
-        proj_mlp) are one fused layer there: their A matrices are stacked (rank 3r or 4r) and their B
-        matrices placed block-diagonally at their output rows, zero rows for parts without a LoRA; alpha
-        grows with the rank so the scale stays alpha / r. Exact, as kohya's own converter."""
-        import torch
-
-        plain: dict[str, str] = {}  # diffusers module -> BFL module
-        fused: dict[str, list[str]] = {}  # BFL module -> its parts' diffusers modules
-        for module in pairs:
-            match = _BLOCK.match(module)
-            if match is None:
-                if module not in _TOP:
-                    raise ZerotrainError(f"LoRA on Flux module {module} has no ComfyUI (Black Forest Labs) name")
-                plain[module] = _TOP[module]
-                continue
-            kind, index, rest = match.groups()
-            double = kind == "transformer_blocks"
-            block = f"{'double' if double else 'single'}_blocks.{index}"
-            simple, groups = (_DOUBLE, _DOUBLE_FUSED) if double else (_SINGLE, _SINGLE_FUSED)
-            if rest in simple:
-                plain[module] = f"{block}.{simple[rest]}"
-                continue
-            target = next((t for t, parts in groups.items() if rest in parts), None)
-            if target is None:
-                raise ZerotrainError(f"LoRA on Flux module {module} has no ComfyUI (Black Forest Labs) name")
-            fused.setdefault(f"{block}.{target}", [f"{kind}.{index}.{part}" for part in groups[target]])
-        out: dict[str, torch.Tensor] = {}
-        for module, target in plain.items():
-            down, up = pairs[module]
-            if target in _SWAPPED:
-                shift, scale = up.chunk(2, dim=0)
-                up = torch.cat([scale, shift], dim=0)
-            out.update(kohya_lora("lora_unet_" + target.replace(".", "_"), down, up, alpha))
-        modules = dict(model.named_modules())
-        for target, parts in fused.items():
-            present = [part for part in parts if part in pairs]
-            rows = [_out_features(modules[part]) for part in parts]
-            ranks = [pairs[part][0].shape[0] for part in present]
-            rank = sum(ranks)
-            down = torch.cat([pairs[part][0] for part in present], dim=0)
-            up = pairs[present[0]][1].new_zeros((sum(rows), rank))
-            row, column = 0, 0
-            for part, height in zip(parts, rows, strict=True):
-                if part in pairs:
-                    part_up = pairs[part][1]
-                    up[row:row + height, column:column + part_up.shape[1]] = part_up
-                    column += part_up.shape[1]
-                row += height
-            if any(r != ranks[0] for r in ranks):
-                raise ZerotrainError(f"LoRA parts of Flux {target} have different ranks {ranks}; cannot fuse them")
-            # Every part is scaled by alpha / r; the fused layer by its alpha / (sum of ranks).
-            out.update(kohya_lora("lora_unet_" + target.replace(".", "_"), down, up, alpha * rank / ranks[0]))
-        return out
+        """Kohya's Black Forest Labs names (bfl_lora), FLUX.1's modules outside the blocks included."""
+        return bfl_lora(model, pairs, alpha, flux_top_module, "Flux")
 
     def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
         """CLIP-L gives only its pooled output (pooled_projection_dim wide); T5 gives the sequence
@@ -250,6 +203,99 @@ class Flux(Family):
             "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config,
                                        denoiser),
         }
+
+
+def flux_top_module(module: str) -> str | None:
+    """FLUX.1's Black Forest Labs name of a module outside the blocks (embedders, output layer), if any."""
+    return _TOP.get(module)
+
+
+def bfl_module(module: str, top: Callable[[str], str | None]) -> tuple[str, tuple[str, ...]] | None:
+    """The Black Forest Labs module that holds diffusers module `module` of a Flux-style transformer, and
+    the diffusers modules fused into it in output order (`module` alone when it is not fused); None when
+    it has no BFL name. `top` names the modules outside the blocks, which differ between models."""
+    match = _BLOCK.match(module)
+    if match is None:
+        target = top(module)
+        return None if target is None else (target, (module,))
+    kind, index, rest = match.groups()
+    double = kind == "transformer_blocks"
+    block = f"{'double' if double else 'single'}_blocks.{index}"
+    simple, groups = (_DOUBLE, _DOUBLE_FUSED) if double else (_SINGLE, _SINGLE_FUSED)
+    if rest in simple:
+        return f"{block}.{simple[rest]}", (module,)
+    for target, parts in groups.items():
+        if rest in parts:
+            return f"{block}.{target}", tuple(f"{kind}.{index}.{part}" for part in parts)
+    return None
+
+
+def bfl_lora(model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float, top: Callable[[str], str | None],
+             title: str) -> dict[str, Any]:
+    """"lora_unet_" + the Black Forest Labs module path with "." -> "_" (kohya sd-scripts' Flux names,
+    e.g. lora_unet_double_blocks_0_img_attn_qkv), for a Flux-style transformer (`title`) whose modules
+    outside the blocks `top` names. Diffusers' separate q/k/v (and a single block's proj_mlp) are one
+    fused layer there: their A matrices are stacked (rank 3r or 4r) and their B matrices placed
+    block-diagonally at their output rows, zero rows for parts without a LoRA; alpha grows with the
+    rank so the scale stays alpha / r. Exact, as kohya's own converter."""
+    plain: dict[str, str] = {}  # diffusers module -> BFL module
+    fused: dict[str, tuple[str, ...]] = {}  # BFL module -> its parts' diffusers modules
+    for module in pairs:
+        found = bfl_module(module, top)
+        if found is None:
+            raise ZerotrainError(f"LoRA on {title} module {module} has no ComfyUI (Black Forest Labs) name")
+        target, parts = found
+        if len(parts) == 1:
+            plain[module] = target
+        else:
+            fused.setdefault(target, parts)
+    out: dict[str, torch.Tensor] = {}
+    for module, target in plain.items():
+        down, up = pairs[module]
+        if target in _SWAPPED:
+            up = swap_halves(up)
+        out.update(kohya_lora("lora_unet_" + target.replace(".", "_"), down, up, alpha))
+    modules = dict(model.named_modules())
+    for target, parts in fused.items():
+        down, up, rank = fuse_lora(modules, pairs, parts, f"{title} {target}")
+        # Every part is scaled by alpha / r; the fused layer by its alpha / (sum of ranks).
+        out.update(kohya_lora("lora_unet_" + target.replace(".", "_"), down, up, alpha * down.shape[0] / rank))
+    return out
+
+
+def swap_halves(weight: torch.Tensor) -> torch.Tensor:
+    """(shift, scale) output rows as (scale, shift): diffusers' AdaLayerNormContinuous (norm_out) and
+    Black Forest Labs' final adaLN_modulation order them oppositely (swap_scale_shift in diffusers'
+    converters)."""
+    import torch
+
+    shift, scale = weight.chunk(2, dim=0)
+    return torch.cat([scale, shift], dim=0)
+
+
+def fuse_lora(
+    modules: dict[str, Any], pairs: dict[str, tuple[Any, Any]], parts: tuple[str, ...], what: str
+) -> tuple[Any, Any, int]:
+    """One LoRA (A, B, the rank of each part) for a fused layer (`what`, for errors) made of the diffusers
+    modules `parts` (in output order; `modules` maps names to modules), from those of them in `pairs`:
+    their A matrices stacked (rank the sum of theirs) and their B matrices placed block-diagonally at
+    their output rows, zero rows for parts without a LoRA. Exact: B @ A is the parts' B_i @ A_i stacked."""
+    import torch
+
+    present = [part for part in parts if part in pairs]
+    ranks = [pairs[part][0].shape[0] for part in present]
+    if any(r != ranks[0] for r in ranks):
+        raise ZerotrainError(f"LoRA parts of {what} have different ranks {ranks}; cannot fuse them")
+    rows = [_out_features(modules[part]) for part in parts]
+    down = torch.cat([pairs[part][0] for part in present], dim=0)
+    up = pairs[present[0]][1].new_zeros((sum(rows), sum(ranks)))
+    row, column = 0, 0
+    for part, height in zip(parts, rows, strict=True):
+        if part in pairs:
+            up[row:row + height, column:column + ranks[0]] = pairs[part][1]
+            column += ranks[0]
+        row += height
+    return down, up, ranks[0]
 
 
 def _out_features(module: Any) -> int:

@@ -37,6 +37,8 @@ class Encoders:
 
     family: str
     """The family's name, as ModelSpec.family."""
+    pipeline: str
+    """The family pipeline's class (Family.pipeline_name), whose encode_prompt encodes."""
     vae: AutoencoderKL | None
     """None once freed."""
     tokenizers: list
@@ -122,6 +124,7 @@ def load_encoders(
         module.to(device).requires_grad_(False).eval()
     return Encoders(
         family=spec.family,
+        pipeline=pipeline_class.__name__,
         vae=pipeline.vae,
         tokenizers=tokenizers,
         text_encoders=text_encoders,
@@ -201,7 +204,7 @@ def _text_pipeline(encoders: Encoders) -> Any:
         family.text_components, encoders.tokenizers, encoders.text_encoders, strict=True
     ):
         components[tokenizer_name], components[encoder_name] = tokenizer, encoder
-    return getattr(diffusers, family.pipeline)(**components)
+    return getattr(diffusers, encoders.pipeline)(**components)
 
 
 def _posterior(encoders: Encoders, pixels: torch.Tensor) -> tuple[Any, Any]:

@@ -10,8 +10,6 @@ import string
 from collections import Counter
 from typing import Any
 
-import torch
-
 # Captions the tiny tokenizers learn their merges / pieces from.
 _CORPUS = (
     "a photo of a cat sitting on a red chair",
@@ -41,6 +39,8 @@ def check_room(ok: bool, name: str, denoiser: dict[str, Any]) -> None:
 
 def seeded(component: str, build: Any, config: Any) -> Any:
     """build(config) with its weights drawn from the component's own seed."""
+    import torch
+
     torch.manual_seed(_SEEDS.get(component, 0))
     return build(config).eval()
 
@@ -166,6 +166,23 @@ def t5_tokenizer() -> Any:
     return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=_T5_MAX_LENGTH)
 
 
+# What Qwen3's chat template makes of one user message with add_generation_prompt=True (ZImagePipeline's
+# encode_prompt; Flux2KleinPipeline's adds the empty think block of enable_thinking=False).
+QWEN3_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+# Qwen3's chat template, cut to plain user/assistant turns: it renders the pipeline's messages as the
+# published tokenizer_config.json does (including the empty think block of enable_thinking=False).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+QWEN3_THINK_TOKENS = ("<think>", "</think>")
 # Qwen2/Qwen3's special tokens around chat turns, after <|endoftext|> (ids 151643..151645 in the real vocab).
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

@@ -11,7 +11,15 @@ from zerotrain.hardware import HardwareFacts
 from zerotrain.models.catalog import ModelSpec
 from zerotrain.planner.facts import ModelFacts
 from zerotrain.planner.measure import measure_model
-from zerotrain.planner.search import Candidate, Plan, gib, plan, suggest_gpu_memory, suggest_more_gpus
+from zerotrain.planner.search import (
+    Candidate,
+    Plan,
+    gib,
+    plan,
+    suggest_gpu_memory,
+    suggest_host_memory,
+    suggest_more_gpus,
+)
 
 # Largest terms shown inline per candidate row.
 TOP_TERMS = 3
@@ -98,9 +106,9 @@ def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunC
     more = suggest_more_gpus(facts, hw, run)
     if more:
         found.append(f"more GPUs: {more}")
-    memory = suggest_gpu_memory(facts, hw, run)
-    if memory:
-        found.append(memory)
+    for memory in (suggest_gpu_memory(facts, hw, run), suggest_host_memory(facts, hw, run)):
+        if memory:
+            found.append(memory)
     if "cpu" not in run.planner.offload and _fits_with(spec, hw, run, {"planner.offload": ["none", "cpu", "nvme"]}):
         found.append("allow CPU offload: --set 'planner.offload=[none,cpu]'")
     if run.training.mode is Mode.full:
@@ -108,8 +116,10 @@ def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunC
             found.append(f"LoRA instead of a full fine-tune: --mode lora (rank {run.training.lora.rank})")
         elif _fits_with(spec, hw, run, {"training.mode": "lora", "training.quantize_base": "qint8"}):
             found.append("LoRA over a qint8-quantized base: --mode lora --quantize qint8")
-    elif run.training.quantize_base is Quantization.none:
-        for scheme in ("qint8", "qint4"):
+    elif run.training.quantize_base is not Quantization.qint4:
+        # Fewer bits than the base has now: qint8 (or qfloat8) halves bf16, qint4 halves it again.
+        schemes = ("qint8", "qint4") if run.training.quantize_base is Quantization.none else ("qint4",)
+        for scheme in schemes:
             if _fits_with(spec, hw, run, {"training.quantize_base": scheme}):
                 found.append(f"quantize the frozen base: --quantize {scheme}")
                 break

@@ -9,6 +9,7 @@ candidates; it is not a promise of seconds."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,6 +296,22 @@ def suggest_more_gpus(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> s
         if plan(facts, bigger, trial).chosen:
             return f"{nodes} nodes of {hw.gpus_per_node} GPUs (global batch {batch})"
     return None
+
+
+def suggest_host_memory(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> str | None:
+    """The host RAM per node that the thriftiest layout fitting the GPUs (and NVMe) needs, when the
+    node has less: offloading trades GPU memory for host RAM, so a plan can fail on the host alone."""
+    gpu_budget, _, nvme_budget = budgets(hw, run)
+    hosts = [c.memory.host_per_node for c in (evaluate(layout, facts, hw, run)
+                                              for layout in layouts(run, hw, check_batch(run, hw)))
+             if c.memory.device_total <= gpu_budget
+             and (not c.memory.nvme_per_node or (nvme_budget is not None and c.memory.nvme_per_node <= nvme_budget))]
+    if not hosts:
+        return None
+    needed = min(hosts) / (1 - run.planner.headroom)
+    if needed <= hw.host_memory_bytes:
+        return None
+    return f"host RAM of at least {gib(needed)} per node: --host-memory {math.ceil(needed / 2**30)}GiB"
 
 
 def suggest_gpu_memory(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> str | None:

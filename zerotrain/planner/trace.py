@@ -30,6 +30,7 @@ from zerotrain import families
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.models.catalog import ModelSpec
 from zerotrain.planner.facts import ActivationFacts, ModelFacts, lora_targets
+from zerotrain.quiet import hidden_warnings
 
 BF16 = 2  # bytes per bf16 element
 
@@ -334,7 +335,7 @@ def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # the "kept in float32" notice is about from_pretrained
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), hidden_warnings():
             model = spec.denoiser_class().from_config(spec.config)
         return model.to(torch.bfloat16)
     finally:

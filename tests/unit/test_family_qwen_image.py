@@ -1,0 +1,409 @@
+"""The Qwen-Image family (zerotrain/families/qwen_image.py) against diffusers' own classes: the catalog
+configs and parameter counts, planning the full-size model, the tiny model folder, the cached latents
+and text against QwenImagePipeline's VAE and encode_prompt, the objective against its scheduler and
+pipeline, validation through the pipeline, and the LoRA files diffusers and ComfyUI load."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+from pathlib import Path
+
+import diffusers
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from diffusers.utils.torch_utils import randn_tensor
+from peft import LoraConfig, get_peft_model_state_dict
+
+from zerotrain.config import ModelConfig
+from zerotrain.config.sections import ObjectiveConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.families import example_inputs, of
+from zerotrain.families.qwen_image import FAMILY, QWEN_SCHEDULER, pack_latents
+from zerotrain.models.catalog import ModelSpec, check_trainable, resolve_model
+from zerotrain.models.conditioning import encode_latent_moments, encode_latents, encode_prompts, load_encoders
+from zerotrain.models.tiny import build_tiny_pipeline, ensure_tiny_pipeline
+from zerotrain.objectives import dynamic_shift, make_objective, sample_flow_timesteps, shift_sigmas
+
+TINY = "tiny-qwen-image"
+# diffusers 0.42's QwenImageTransformer2DModel on meta: the published config (equal to the class
+# defaults) has 60 blocks of 339,831,296 plus 40,523,328 outside them; the tiny one 2 blocks of width 32.
+PARAMETERS = {"qwen-image": 20_430_401_088, TINY: 92_448}
+CAPTIONS = ["a red chair", "an oil painting of mountains at sunset, warm light on the lake"]
+TEXT_TOKENS = 32
+# The tiny VAE downsamples 8x as the published one: 64 px are 8x8 latents, 4x4 image tokens.
+SIDE = 64
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "tiny-cpu.yaml"
+TINY_DATA = REPO / "examples" / "tiny-data"
+
+
+def spec_of(name: str, **config: object) -> ModelSpec:
+    """A resolved model, with denoiser config fields replaced (ModelSpec is frozen)."""
+    spec = resolve_model(ModelConfig(name_or_path=name))
+    return dataclasses.replace(spec, config={**spec.config, **config}) if config else spec
+
+
+def files_digest(folder: Path) -> dict[str, str]:
+    return {path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return ensure_tiny_pipeline(TINY, tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def pipeline(folder):
+    return QwenImagePipeline.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def encoders(folder):
+    return load_encoders(resolve_model(ModelConfig(name_or_path=str(folder))), folder)
+
+
+# --- 1. catalog ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_catalog_builds_on_meta_with_the_exact_parameter_count(name):
+    spec = spec_of(name)
+    assert (spec.family, spec.class_name) == ("qwen_image", "QwenImageTransformer2DModel")
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel.from_config(spec.config)
+    assert sum(p.numel() for p in model.parameters()) == PARAMETERS[name]
+    assert (spec.vae_scale_factor, spec.latent_channels, spec.vae_scaling_factor, spec.vae_shift_factor) == \
+        (8, 16, None, None)
+
+
+def test_published_config_is_the_class_defaults_and_its_vae_facts(tmp_path):
+    published = spec_of("qwen-image")
+    defaults = inspect.signature(QwenImageTransformer2DModel.__init__).parameters
+    assert {k: v for k, v in published.config.items() if not k.startswith("_")} == \
+        {k: list(p.default) if isinstance(p.default, tuple) else p.default for k, p in defaults.items()
+         if k in published.config}
+    # A bare config.json gets the published VAE's facts; a vae/config.json beside it its own.
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(published.config))
+    bare = spec_of(str(tmp_path / "transformer" / "config.json"))
+    assert (bare.vae_scale_factor, bare.latent_channels, bare.vae_scaling_factor) == (8, 16, None)
+    (tmp_path / "vae").mkdir()
+    vae = AutoencoderKLQwenImage(base_dim=8, dim_mult=[1, 2, 4], temperal_downsample=[False, True])
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(dict(vae.config)))
+    assert spec_of(str(tmp_path / "transformer" / "config.json")).vae_scale_factor == vae.spatial_compression_ratio == 4
+    with torch.device("meta"):
+        published_vae = AutoencoderKLQwenImage().config  # the class defaults: Qwen/Qwen-Image vae/config.json
+    assert FAMILY.vae_facts(dict(published_vae)) == FAMILY.published_vae(published.config)
+
+
+def test_edit_variants_plan_but_do_not_train():
+    spec = spec_of("qwen-image", zero_cond_t=True)
+    assert spec.plan_only and not spec_of("qwen-image").plan_only
+    with pytest.raises(ZerotrainError, match="plan-only: zerotrain plans image-conditioned Qwen-Image"):
+        check_trainable(spec)
+
+
+# --- 2. planning -----------------------------------------------------------------------------------
+
+
+def test_full_size_plan_measures_tokens_and_parameters(tmp_path, monkeypatch, capsys):
+    from zerotrain.cli import main
+    from zerotrain.planner.facts import ModelFacts
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["plan", "--model", "qwen-image", "--resolution", "1024", "--gpus", "8xH100-80GB", "--mode", "lora",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["chosen"]["fits"] is True
+    [cached] = (tmp_path / "zerotrain" / "facts").glob("*.json")
+    facts = ModelFacts.from_json(json.loads(cached.read_text()))
+    assert (facts.image_tokens, facts.text_tokens) == (4096, 512)  # (1024 / 16)^2; the pipeline's 512
+    # LoRA on the 4 image-attention projections (3072 -> 3072) of each of the 60 blocks.
+    lora = 60 * 4 * facts.lora_rank * (3072 + 3072)
+    assert (facts.trainable_params, facts.total_params) == (lora, PARAMETERS["qwen-image"] + lora)
+
+
+def test_a_bare_config_json_plans(tmp_path, monkeypatch, capsys):
+    from zerotrain.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(spec_of(TINY).config))
+    assert main(["plan", "--model", str(path), "--resolution", "256", "--gpus", "1xRTX4090-24GB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+
+
+# --- 3. the tiny model -----------------------------------------------------------------------------
+
+
+def test_tiny_folder_builds_and_loads_offline_and_generates(folder, pipeline, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    again = build_tiny_pipeline(TINY, tmp_path / "again")  # no download, and the same bytes every time
+    assert files_digest(again) == files_digest(folder)
+    loaded = diffusers.DiffusionPipeline.from_pretrained(again)
+    assert type(loaded) is QwenImagePipeline
+    assert {k: type(v).__name__ for k, v in loaded.components.items()} == {
+        "vae": "AutoencoderKLQwenImage", "text_encoder": "Qwen2_5_VLForConditionalGeneration",
+        "tokenizer": "Qwen2Tokenizer", "transformer": "QwenImageTransformer2DModel",
+        "scheduler": "FlowMatchEulerDiscreteScheduler"}
+    assert {k: loaded.scheduler.config[k] for k in QWEN_SCHEDULER} == QWEN_SCHEDULER
+    # The template's system prefix is as many tokens as with Qwen's vocabulary: what encode_prompt drops.
+    prefix = pipeline.prompt_template_encode.split("{}")[0]
+    assert len(pipeline.tokenizer(prefix).input_ids) == pipeline.prompt_template_encode_start_idx == 34
+    image = pipeline(CAPTIONS[0], num_inference_steps=2, height=SIDE, width=SIDE, output_type="pt",
+                     generator=gen()).images
+    assert image.shape == (1, 3, SIDE, SIDE) and torch.isfinite(image).all() and image.std() > 0
+
+
+# --- 4. the cache ----------------------------------------------------------------------------------
+
+
+def test_encode_prompts_is_encode_prompt_padded_with_its_mask(encoders, pipeline):
+    got = encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)
+    assert tuple(got) == FAMILY.text_outputs
+    with torch.no_grad():
+        embeds, mask = pipeline.encode_prompt(CAPTIONS, device="cpu", max_sequence_length=TEXT_TOKENS)
+    length = embeds.shape[1]
+    assert length < TEXT_TOKENS and mask.dtype == got["prompt_embeds_mask"].dtype == torch.long
+    assert got["prompt_embeds"].shape == (2, TEXT_TOKENS, 32)
+    torch.testing.assert_close(got["prompt_embeds"][:, :length], embeds)
+    assert not got["prompt_embeds"][:, length:].any() and not got["prompt_embeds_mask"][:, length:].any()
+    assert torch.equal(got["prompt_embeds_mask"][:, :length], mask)
+    for i, caption in enumerate(CAPTIONS):  # each row is the caption encoded alone (mask None), then zeros
+        with torch.no_grad():
+            alone, no_mask = pipeline.encode_prompt([caption], device="cpu", max_sequence_length=TEXT_TOKENS)
+        assert no_mask is None and int(got["prompt_embeds_mask"][i].sum()) == alone.shape[1]
+        torch.testing.assert_close(got["prompt_embeds"][i, :alone.shape[1]], alone[0], atol=1e-5, rtol=1e-5)
+    # Fewer tokens than a caption: truncated as the pipeline truncates (after encoding), mask all ones.
+    short = encode_prompts(encoders, CAPTIONS, 6)
+    with torch.no_grad():
+        embeds, mask = pipeline.encode_prompt(CAPTIONS, device="cpu", max_sequence_length=6)
+    torch.testing.assert_close(short["prompt_embeds"], embeds)
+    assert mask is None and short["prompt_embeds_mask"].all()
+    for bad in (0, 1025):
+        with pytest.raises(ZerotrainError, match=f"text_tokens={bad}"):
+            encode_prompts(encoders, CAPTIONS, bad)
+
+
+def test_latents_are_the_vae_posterior_normalized_per_channel(encoders, pipeline):
+    x = torch.rand(2, 3, SIDE, SIDE, generator=gen()) * 2 - 1
+    vae = pipeline.vae
+    with torch.no_grad():
+        posterior = vae.encode(x.unsqueeze(2)).latent_dist  # (B, 16, 1, h, w), as the training script encodes
+        drawn = posterior.sample(gen(1))
+    # train_dreambooth_lora_qwen_image.py: (latents - latents_mean) * (1 / latents_std), 5-D views.
+    mean = torch.tensor(vae.config.latents_mean).view(1, 16, 1, 1, 1)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, 16, 1, 1, 1)
+    moments = encode_latent_moments(encoders, x)
+    assert moments.mean.shape == (2, 16, SIDE // 8, SIDE // 8)
+    torch.testing.assert_close(moments.mean, ((posterior.mean - mean) * inverse_std)[:, :, 0])
+    torch.testing.assert_close(moments.std, (posterior.std * inverse_std)[:, :, 0])
+    latents = encode_latents(encoders, x, generator=gen(1))
+    torch.testing.assert_close(latents, ((drawn - mean) * inverse_std)[:, :, 0])
+    torch.testing.assert_close(moments.sample(gen(1)), latents, atol=1e-6, rtol=1e-5)
+    # The pipeline's decode side undoes it: latents / (1 / std) + mean.
+    torch.testing.assert_close((latents.unsqueeze(2) / inverse_std + mean), drawn, atol=1e-5, rtol=1e-5)
+
+
+# --- 5. the objective ------------------------------------------------------------------------------
+
+
+def cached_batch(encoders, captions: list[str], std: float = 0.0, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A batch as CachedDataset's items collate: bf16 moments and the cached text."""
+    text = encode_prompts(encoders, captions, TEXT_TOKENS)
+    shape = (len(captions), 16, SIDE // 8, SIDE // 8)
+    return {"latent_mean": torch.randn(shape, generator=gen(seed)).bfloat16(),
+            "latent_std": torch.full(shape, std).bfloat16(),
+            **{name: value.bfloat16() for name, value in text.items()}}
+
+
+def test_shift_is_the_schedulers_time_shift_and_terminal_stretch_is_inference_only():
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN_SCHEDULER)
+    t = torch.linspace(0.01, 0.99, 50)
+    for seq_len in (16, 1024, 4096, 6889):  # tiny at 64 px; 512, 1024 and 1328 px
+        mu = calculate_shift(seq_len, 256, 8192, 0.5, 0.9)
+        shift = dynamic_shift(QWEN_SCHEDULER, "qwen_image", seq_len)
+        assert shift == pytest.approx(math.exp(mu))
+        torch.testing.assert_close(shift_sigmas(t, shift), scheduler.time_shift(mu, 1.0, t))
+        # QwenImagePipeline's 50-step grid: the same shift, then stretched so its last sigma is 0.02.
+        grid = np.linspace(1.0, 1 / 50, 50)
+        scheduler.set_timesteps(sigmas=grid, mu=mu)
+        shifted = shift_sigmas(torch.from_numpy(grid).float(), shift)
+        torch.testing.assert_close(scheduler.sigmas[:-1], scheduler.stretch_shift_to_terminal(shifted))
+        assert scheduler.sigmas[-2].item() == pytest.approx(0.02) and scheduler.sigmas[0].item() == 1.0
+    # Without shift settings, calculate_shift's defaults as QwenImagePipeline writes them.
+    bare = {"use_dynamic_shifting": True}
+    assert dynamic_shift(bare, "qwen_image", 1024) == pytest.approx(math.exp(calculate_shift(1024, 256, 4096, 0.5, 1.15)))
+
+
+def test_prepare_noises_packs_and_conditions_as_the_pipeline(encoders):
+    spec = spec_of(TINY)
+    objective = make_objective(spec, QWEN_SCHEDULER, ObjectiveConfig(), SIDE)
+    batch = cached_batch(encoders, CAPTIONS)
+    prepared = objective.prepare(batch, gen(5))
+    # Replay prepare's draws: the posterior (std 0: x0 is the mean), t, then the noise.
+    g = gen(5)
+    x0 = batch["latent_mean"].float()
+    randn_tensor(x0.shape, generator=g)
+    t = sample_flow_timesteps(ObjectiveConfig(), 2, g)
+    noise = randn_tensor(x0.shape, generator=g, dtype=torch.float32)
+    sigma = shift_sigmas(t, dynamic_shift(QWEN_SCHEDULER, "qwen_image", 16))
+    kwargs = prepared.model_kwargs
+    torch.testing.assert_close(kwargs["timestep"], sigma)  # the pipeline passes t / 1000 = sigma
+    s = sigma.view(-1, 1, 1, 1)
+    torch.testing.assert_close(kwargs["hidden_states"], pack_latents((1 - s) * x0 + s * noise))
+    torch.testing.assert_close(prepared.target, pack_latents(noise - x0))
+    # The pipeline's _unpack_latents gives the (B, C, 1, h, w) layout back.
+    unpacked = QwenImagePipeline._unpack_latents(prepared.target, SIDE, SIDE, 8)
+    torch.testing.assert_close(unpacked[:, :, 0], noise - x0)
+    assert kwargs["img_shapes"] == [[(1, 4, 4)]] * 2 and "guidance" not in kwargs
+    # Trimmed to the longer caption, masked where the shorter one is padded.
+    lengths = batch["prompt_embeds_mask"].sum(dim=1).long()
+    longest = int(lengths.max())
+    assert kwargs["encoder_hidden_states"].shape == (2, longest, 32)
+    assert torch.equal(kwargs["encoder_hidden_states_mask"].sum(dim=1), lengths)
+    # Captions of one length need no mask (encode_prompt's None), so SDPA may use flash attention.
+    same = objective.prepare(cached_batch(encoders, [CAPTIONS[0]] * 2), gen(5)).model_kwargs
+    assert same["encoder_hidden_states_mask"] is None and same["encoder_hidden_states"].shape[1] == lengths[0]
+    # The planner's example inputs are laid out as training's.
+    example = example_inputs(spec, 2, SIDE, SIDE, int(lengths[0]), "cpu", torch.bfloat16)
+    assert example["img_shapes"] == same["img_shapes"]
+    assert {k: v.shape for k, v in example.items() if k != "img_shapes"} == \
+        {k: v.shape for k, v in same.items() if k not in ("img_shapes", "encoder_hidden_states_mask")}
+
+
+def test_prepare_runs_through_the_tiny_denoiser_and_padding_changes_nothing(encoders, folder):
+    spec = resolve_model(ModelConfig(name_or_path=str(folder)))
+    objective = make_objective(spec, QWEN_SCHEDULER, ObjectiveConfig(), SIDE)
+    model = QwenImageTransformer2DModel.from_pretrained(folder, subfolder="transformer")
+    model.train()
+    FAMILY.enable_checkpointing(model)
+    prepared = objective.prepare(cached_batch(encoders, CAPTIONS, std=0.5), gen())
+    pred = model(**prepared.model_kwargs, return_dict=False)[0]
+    loss = objective.loss(pred, prepared)
+    assert pred.shape == prepared.target.shape == (2, 16, 64) and torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    # The shorter caption, padded and masked in the batch, predicts what it predicts alone.
+    model.eval()
+    kwargs = prepared.model_kwargs
+    short = int(kwargs["encoder_hidden_states_mask"][0].sum())
+    assert short < kwargs["encoder_hidden_states"].shape[1]
+    with torch.no_grad():
+        batched = model(**kwargs, return_dict=False)[0]
+        alone = model(hidden_states=kwargs["hidden_states"][:1], encoder_hidden_states=kwargs["encoder_hidden_states"][:1, :short],
+                      timestep=kwargs["timestep"][:1], img_shapes=kwargs["img_shapes"][:1], return_dict=False)[0]
+    torch.testing.assert_close(batched[:1], alone, atol=1e-5, rtol=1e-5)
+
+
+# --- 6. validation ---------------------------------------------------------------------------------
+
+
+def test_validation_kwargs_render_what_the_pipeline_renders_from_prompts(encoders, pipeline):
+    prompt, negative = CAPTIONS[1], " "
+    cached = encode_prompts(encoders, [prompt], TEXT_TOKENS)
+    cached_negative = encode_prompts(encoders, [negative], TEXT_TOKENS)
+    kwargs = FAMILY.validation_kwargs(cached, cached_negative, FAMILY.default_guidance)
+    assert kwargs["true_cfg_scale"] == 4.0 and "guidance_scale" not in kwargs
+    common = {"height": 32, "width": 32, "num_inference_steps": 2, "output_type": "latent"}
+    with torch.no_grad():
+        direct = pipeline(prompt=prompt, negative_prompt=negative, true_cfg_scale=4.0, generator=gen(3), **common).images
+        via = pipeline(**kwargs, generator=gen(3), **common).images
+        plain = pipeline(prompt=prompt, true_cfg_scale=1.0, generator=gen(3), **common).images
+    torch.testing.assert_close(via, direct)
+    assert not torch.allclose(via, plain), "true CFG should change the result"
+    no_cfg = FAMILY.validation_kwargs(cached, None, 1.0)
+    assert "negative_prompt_embeds" not in no_cfg and no_cfg["true_cfg_scale"] == 1.0
+
+
+def test_validator_renders_with_true_cfg(folder, tmp_path):
+    from PIL import Image
+
+    from zerotrain.config import load_config
+    from zerotrain.distributed import Topology
+    from zerotrain.engine import load_denoiser
+    from zerotrain.sampling import Validator
+
+    run = load_config(CONFIG, [f"model.name_or_path={TINY}", f"data.datasets=[{{path: '{TINY_DATA}'}}]",
+                               "validation.steps=2", "validation.prompts=['a photo of a cat']",
+                               "validation.negative_prompt=' '", "data.text_tokens=24"])
+    spec = resolve_model(run.model)
+    validator = Validator(spec, folder, run, Topology(0, 1, 0), torch.device("cpu"))
+    assert validator.cfg and validator.guidance_scale == 4.0
+    assert tuple(validator.negative_embeds) == FAMILY.text_outputs
+    [image, grid] = validator.render(load_denoiser(spec, folder), 1, tmp_path)
+    with Image.open(image) as png:
+        assert png.size == (SIDE, SIDE) and png.text["guidance_scale"] == "4.0" and png.text["negative_prompt"] == " "
+        assert np.asarray(png).std() > 2
+    assert grid.name == "grid.png"
+
+
+# --- 8. export -------------------------------------------------------------------------------------
+
+
+def test_lora_files_load_in_diffusers_and_comfyui_format(folder, pipeline, tmp_path):
+    from safetensors.torch import save_file
+
+    from zerotrain.export import comfyui_lora_state_dict, lora_metadata
+
+    spec = resolve_model(ModelConfig(name_or_path=str(folder)))
+    rank, alpha = 4, 8.0
+    model = QwenImageTransformer2DModel.from_pretrained(folder, subfolder="transformer").eval()
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(of(spec).default_lora_targets(spec))))
+    torch.manual_seed(3)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    inputs = example_inputs(spec, 1, SIDE, SIDE, 8, "cpu", torch.float32)
+    with torch.no_grad():
+        trained = model(**inputs, return_dict=False)[0]
+    layers = get_peft_model_state_dict(model)
+    assert len(layers) == 2 * 4 * 2  # blocks x (to_q, to_k, to_v, to_out.0) x (A, B)
+    QwenImagePipeline.save_lora_weights(tmp_path / "lora", transformer_lora_layers=layers,
+                                        transformer_lora_adapter_metadata=lora_metadata(model.peft_config["default"]))
+    comfy = comfyui_lora_state_dict(spec, model, layers, alpha)
+    modules = {key.removesuffix(".lora_A.weight") for key in layers if key.endswith(".lora_A.weight")}
+    assert set(comfy) == {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
+    for module in modules:  # ComfyUI applies B @ A * alpha / rank, as peft does
+        layer = model.get_submodule(module)
+        name = f"diffusion_model.{module}"
+        delta = comfy[f"{name}.lora_B.weight"] @ comfy[f"{name}.lora_A.weight"] * comfy[f"{name}.alpha"] / rank
+        expected = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+        torch.testing.assert_close(delta, expected)
+    save_file(comfy, tmp_path / "comfy.safetensors")
+    for path in (tmp_path / "lora" / "pytorch_lora_weights.safetensors", tmp_path / "comfy.safetensors"):
+        pipeline.load_lora_weights(path.parent, weight_name=path.name, adapter_name="trained")
+        try:
+            with torch.no_grad():
+                torch.testing.assert_close(pipeline.transformer(**inputs, return_dict=False)[0], trained,
+                                           atol=1e-5, rtol=1e-5)
+        finally:
+            pipeline.unload_lora_weights()
+
+
+def test_full_weights_keep_diffusers_names_for_comfyui(pipeline):
+    weights = pipeline.transformer.state_dict()
+    comfy = FAMILY.comfyui_model(weights)
+    assert comfy.keys() == weights.keys()
+    # ComfyUI's model_detection recognizes Qwen-Image by txt_norm.weight and reads these names as they are.
+    assert {"txt_norm.weight", "img_in.weight", "transformer_blocks.0.attn.to_q.weight"} <= comfy.keys()

@@ -1,0 +1,431 @@
+"""Z-Image (zerotrain/families/z_image.py) against diffusers' own ZImagePipeline, scheduler and converters:
+the catalog counts, planning, the tiny model, the cached conditioning, the objective's timestep
+convention and sign, validation renders, and the ComfyUI exports.
+
+The tiny VAE downsamples 2x and the denoiser patches 2x2, so 64 px images are 32x32 latents and 256
+image tokens (a multiple of 32: the image needs no pad token), and 6x6 latents 9 tokens (padded to 32)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+from pathlib import Path
+
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
+)
+from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+from PIL import Image
+
+from tests.unit.test_sampling import check_image, make_validator
+from zerotrain.cli import main
+from zerotrain.config import ModelConfig, RunConfig
+from zerotrain.config.sections import ObjectiveConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.export import comfyui_lora_state_dict
+from zerotrain.families import example_inputs
+from zerotrain.families.z_image import (
+    FAMILY,
+    Z_IMAGE_SCHEDULER,
+    caption_list,
+    max_text_tokens,
+    model_time,
+    pad_captions,
+)
+from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
+from zerotrain.models.tiny import build_tiny_pipeline
+from zerotrain.models.tiny_parts import QWEN3_PROMPT
+from zerotrain.objectives import (
+    flow_interpolate,
+    flow_target,
+    make_objective,
+    sample_flow_timesteps,
+    shift_sigmas,
+)
+from zerotrain.planner import trace
+from zerotrain.planner.measure import measure_model
+
+# sum(p.numel() for p in model.parameters()) on the meta device (diffusers 0.42). The published count
+# is the class default's: axes_lens, the only published field that differs, sizes a RoPE table, not
+# parameters. Turbo is the same architecture.
+PARAMETERS = {"z-image": 6_154_908_736, "z-image-turbo": 6_154_908_736, "tiny-z-image": 364_176}
+CAPTIONS = ["a photo of a cat sitting on a red chair", "An oil painting of Mountains at sunset, unseen words!"]
+TEXT_TOKENS = 48
+SIDE = 64
+
+
+def spec_of(name: str | Path) -> ModelSpec:
+    return resolve_model(ModelConfig(name_or_path=str(name)))
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Where the tiny folder is built, as ensure_tiny_pipeline lays it out (root/tiny-z-image)."""
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_pipeline("tiny-z-image", root / "tiny-z-image")
+    return root
+
+
+@pytest.fixture(scope="module")
+def folder(root) -> Path:
+    return root / "tiny-z-image"
+
+
+@pytest.fixture(scope="module")
+def pipeline(folder):
+    pipe = ZImagePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def encoders(folder):
+    return load_encoders(spec_of(folder), folder)
+
+
+def cached_batch(encoders, side: int = SIDE // 2, std: float = 0.5) -> dict[str, torch.Tensor]:
+    """A batch of the two captions as CachedDataset's items collate (text at its encoded dtype)."""
+    shape = (len(CAPTIONS), 16, side, side)
+    return {"latent_mean": torch.randn(shape, generator=gen(1)), "latent_std": torch.full(shape, std),
+            **encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)}
+
+
+def objective_of(folder, model_dtype: torch.dtype = torch.float32):
+    scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    return make_objective(spec_of(folder), scheduler, ObjectiveConfig(), SIDE, model_dtype=model_dtype)
+
+
+# --- catalog and planning ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_catalog_entry_builds_on_meta_with_the_published_count(name):
+    spec = spec_of(name)
+    assert (spec.family, spec.class_name, spec.latent_channels) == ("z_image", "ZImageTransformer2DModel", 16)
+    with torch.device("meta"):
+        model = spec.denoiser_class().from_config(spec.config)
+    assert sum(p.numel() for p in model.parameters()) == PARAMETERS[name]
+
+
+def test_published_configs_differ_from_the_class_only_in_axes_lens(tmp_path):
+    base, turbo = spec_of("z-image"), spec_of("z-image-turbo")
+    defaults = inspect.signature(ZImageTransformer2DModel.__init__).parameters
+    # The defaults as a config.json holds them (tuples become lists).
+    differ = {k for k, v in base.config.items() if not k.startswith("_") and v != json.loads(json.dumps(defaults[k].default))}
+    assert differ == {"axes_lens"} and base.config["axes_lens"] == [1536, 512, 512]
+    assert {k: v for k, v in turbo.config.items() if k != "_diffusers_version"} == \
+        {k: v for k, v in base.config.items() if k != "_diffusers_version"}
+    assert (base.pretrained, turbo.pretrained) == ("Tongyi-MAI/Z-Image", "Tongyi-MAI/Z-Image-Turbo")
+    path = tmp_path / "config.json"  # a bare config.json: the family's published (FLUX.1) VAE
+    path.write_text(json.dumps(base.config))
+    for spec in (base, spec_of(path)):
+        assert (spec.vae_scale_factor, spec.latent_channels, spec.vae_scaling_factor, spec.vae_shift_factor) == \
+            (8, 16, 0.3611, 0.1159)
+    assert FAMILY.pixel_factor(base) == 16  # ZImagePipeline's height and width multiple
+
+
+def test_plans_at_1024_on_8_h100s_with_the_measured_facts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["plan", "--model", "z-image", "--resolution", "1024", "--gpus", "8xH100-80GB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+    facts = measure_model(spec_of("z-image"), RunConfig(model={"name_or_path": "z-image"}, data={"resolution": 1024}))
+    assert facts.cached, "the plan's own measurement"
+    assert (facts.image_tokens, facts.text_tokens) == (4096, 512)  # (1024 / 16)^2; ZImagePipeline's 512
+    assert facts.total_params == facts.trainable_params == PARAMETERS["z-image"]
+
+
+def test_a_bare_config_json_plans_and_lora_counts_every_attention_projection(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = tmp_path / "transformer" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(spec_of("tiny-z-image").config))
+    assert main(["plan", "--model", str(path), "--resolution", "256", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+    run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
+                    data={"resolution": 256})
+    facts = measure_model(spec_of(path), run)
+    model = ZImageTransformer2DModel.from_config(spec_of(path).config)
+    adapted = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in {"to_q", "to_k", "to_v"}
+               or n.endswith(".to_out.0")]
+    assert len(adapted) == 4 * (2 + 1 + 1)  # layers, noise_refiner and context_refiner blocks
+    assert facts.trainable_params == sum(4 * (m.in_features + m.out_features) for m in adapted)
+
+
+def test_block_extrapolation_equals_a_full_trace():
+    """Only `layers` repeats (3+ blocks); the refiners are traced whole every time. The model's first
+    forward builds its RoPE table and keeps it (RopeEmbedder caches freqs_cis: 51,200 bytes here, about
+    0.4 MB for z-image), which that trace counts as saved; measure()'s first reduced trace does too, so
+    the extrapolation takes (n_layers - 1) tables off: about 11 MB for z-image, far below its
+    activations. Warmed up, the extrapolation is exact."""
+    spec = dataclasses.replace(spec_of("tiny-z-image"), config={**spec_of("tiny-z-image").config, "n_layers": 4})
+    model = trace.build_meta_model(spec)
+    assert trace.repeated_block_groups(model) == {"layers": [[0, 1, 2, 3]]}
+    inputs = example_inputs(spec, 1, SIDE, SIDE, 16, "meta", torch.bfloat16)
+    first = trace.trace_activations(model, inputs, False, prediction=FAMILY.prediction)
+    full = trace.trace_activations(model, inputs, False, prediction=FAMILY.prediction)
+    extrapolated = trace.trace_by_blocks(model, inputs, False, prediction=FAMILY.prediction)
+    assert (extrapolated.saved_bytes, extrapolated.flops) == (full.saved_bytes, full.flops)
+    assert first.saved_bytes - full.saved_bytes == 8 * (1536 * 4 + 64 * 2 + 64 * 2)  # complex64, axes_dims / 2
+
+
+def test_caption_and_image_lengths_beyond_the_rope_table_are_one_line():
+    spec = spec_of("z-image")
+    assert max_text_tokens(spec.config) == 1504
+    example_inputs(spec, 1, 1024, 1024, 1504, "meta", torch.bfloat16)
+    with pytest.raises(ZerotrainError, match=r"^text_tokens=1505: must be 1\.\.1504 for z-image"):
+        example_inputs(spec, 1, 1024, 1024, 1505, "meta", torch.bfloat16)
+    with pytest.raises(ZerotrainError, match=r"^data.resolution: 8208x1024 px is more than the 512x512"):
+        example_inputs(spec, 1, 8208, 1024, 512, "meta", torch.bfloat16)
+
+
+def test_the_rope_bound_is_exactly_where_the_model_breaks():
+    torch.manual_seed(0)
+    config = {**spec_of("tiny-z-image").config, "axes_lens": [130, 8, 8]}
+    model = ZImageTransformer2DModel.from_config(config).eval()
+    most = max_text_tokens(config)
+    assert most == 128
+    x = [torch.randn(16, 1, 4, 4)]
+    with torch.no_grad():
+        model(x, torch.rand(1), [torch.randn(most, 16)])
+        with pytest.raises(IndexError):
+            model(x, torch.rand(1), [torch.randn(most + 1, 16)])
+
+
+# --- the tiny model and the cached conditioning ------------------------------------------------------
+
+
+def test_tiny_folder_is_a_z_image_pipeline_with_qwen3s_template(folder, pipeline):
+    assert type(DiffusionPipeline.from_pretrained(folder)).__name__ == "ZImagePipeline"
+    assert {k: type(v).__name__ for k, v in pipeline.components.items()} == {
+        "scheduler": "FlowMatchEulerDiscreteScheduler", "vae": "AutoencoderKL", "text_encoder": "Qwen3Model",
+        "tokenizer": "Qwen2Tokenizer", "transformer": "ZImageTransformer2DModel"}
+    assert pipeline.text_encoder.config.hidden_size == pipeline.transformer.config.cap_feat_dim
+    assert dict(pipeline.scheduler.config)["shift"] == 6.0 and not pipeline.scheduler.config.use_dynamic_shifting
+    tokenizer = pipeline.tokenizer
+    messages = [{"role": "user", "content": CAPTIONS[0]}]
+    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=True)
+    assert templated == QWEN3_PROMPT.format(CAPTIONS[0])
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer(templated).input_ids)
+    assert tokens[:3] == ["<|im_start|>", "user", "Ċ"] and tokens[-3:] == ["<|im_start|>", "assistant", "Ċ"]
+    assert "<|endoftext|>" not in tokens  # Qwen's unk: every byte has a token
+    image = pipeline(CAPTIONS[0], height=32, width=32, num_inference_steps=2, output_type="pt",
+                     generator=gen()).images
+    assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
+
+
+def test_tiny_build_is_offline_deterministic_and_keeps_the_global_rng(folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    state = torch.get_rng_state()
+    again = build_tiny_pipeline("tiny-z-image", tmp_path / "again")
+    assert torch.equal(torch.get_rng_state(), state)
+
+    def digest(root: Path) -> dict[str, str]:
+        return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert digest(again) == digest(folder)
+
+
+def test_cached_captions_are_the_pipelines_own_padded_with_a_mask(pipeline, encoders):
+    cached = encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)
+    assert list(cached) == ["prompt_embeds", "prompt_embeds_mask"]
+    assert cached["prompt_embeds"].shape == (2, TEXT_TOKENS, 16) and cached["prompt_embeds_mask"].shape == (2, TEXT_TOKENS)
+    own, negative = pipeline.encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False,
+                                           max_sequence_length=TEXT_TOKENS)
+    assert negative == [] and len({len(e) for e in own}) == 2, "the captions should differ in length"
+    for mask in (cached["prompt_embeds_mask"], cached["prompt_embeds_mask"].bfloat16()):  # as the cache stores it
+        restored = caption_list(cached["prompt_embeds"], mask, 2)
+        assert all(torch.equal(a, b) for a, b in zip(restored, own, strict=True))
+    for i, caption in enumerate(own):
+        assert not cached["prompt_embeds"][i, len(caption):].any()
+
+
+def test_cached_latents_are_the_vaes_shifted_and_scaled(pipeline, encoders):
+    pixels = torch.rand(2, 3, SIDE, SIDE, generator=gen()) * 2 - 1
+    moments = encode_latent_moments(encoders, pixels)
+    with torch.no_grad():
+        posterior = pipeline.vae.encode(pixels).latent_dist
+    torch.testing.assert_close(moments.mean, (posterior.mean - 0.1159) * 0.3611)
+    torch.testing.assert_close(moments.std, posterior.std * 0.3611)
+    # ZImagePipeline decodes latents / scaling + shift: the inverse.
+    torch.testing.assert_close(moments.mean / pipeline.vae.config.scaling_factor + pipeline.vae.config.shift_factor,
+                               posterior.mean)
+
+
+def test_caption_masks_must_mark_a_prefix():
+    embeds = torch.zeros(2, 4, 3)
+    with pytest.raises(ValueError, match="prefix"):
+        caption_list(embeds, torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]]), 2)
+    with pytest.raises(ValueError, match="prefix"):
+        caption_list(embeds, torch.tensor([[0, 0, 0, 0], [1, 1, 0, 0]]), 2)
+    with pytest.raises(ValueError, match=r"\(3, T, D\)"):
+        caption_list(embeds, torch.ones(2, 4), 3)
+    with pytest.raises(ValueError, match="1..2"):
+        pad_captions([torch.zeros(3, 5)], 2)
+
+
+# --- the objective -----------------------------------------------------------------------------------
+
+
+def test_the_model_time_is_the_pipelines_and_the_shift_is_the_schedulers(folder, encoders):
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(Z_IMAGE_SCHEDULER)
+    scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(8), mu=1.0)  # static shift: mu is ignored
+    # ZImagePipeline: timestep = (1000 - t) / 1000 for each scheduler timestep t.
+    assert torch.equal(model_time(scheduler.sigmas[:-1], 1000), (1000 - scheduler.timesteps) / 1000)
+
+    objective = objective_of(folder)
+    assert objective.shift(256) == objective.shift(4096) == 6.0
+    batch = cached_batch(encoders)
+    g = gen(5)
+    torch.randn(batch["latent_mean"].shape, generator=g)  # prepare's posterior draw comes first
+    t = sample_flow_timesteps(ObjectiveConfig(), 2, g)
+    prepared = objective.prepare(batch, gen(5))
+    torch.testing.assert_close(prepared.model_kwargs["t"], 1 - shift_sigmas(t, 6.0))
+
+
+def test_one_scheduler_step_on_the_negated_target_lands_on_the_flow(folder, encoders):
+    """The pipeline steps with -output; with the output equal to flow_inputs' target, each Euler step
+    from x at sigma_i lands exactly on x at sigma_(i+1): the target's sign and the time convention are
+    the pipeline's."""
+    objective = objective_of(folder)
+    batch = cached_batch(encoders)
+    x0, noise = torch.randn(2, 16, 8, 8, generator=gen(2)), torch.randn(2, 16, 8, 8, generator=gen(3))
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(Z_IMAGE_SCHEDULER)
+    scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(6), mu=1.0)
+    scheduler.set_begin_index(0)
+    for i, timestep in enumerate(scheduler.timesteps):
+        sigma = scheduler.sigmas[i].expand(2)
+        x_t = flow_interpolate(x0, noise, sigma)
+        kwargs, target = FAMILY.flow_inputs(objective, x_t, flow_target(x0, noise), sigma, batch)
+        torch.testing.assert_close(target, x0 - noise)
+        assert torch.equal(kwargs["t"], (1000 - timestep.expand(2)) / 1000)
+        stepped = scheduler.step(-target, timestep, x_t, return_dict=False)[0]
+        torch.testing.assert_close(stepped, flow_interpolate(x0, noise, scheduler.sigmas[i + 1].expand(2)))
+
+
+def test_each_caption_reaches_the_denoiser_at_its_own_length(folder, pipeline, encoders):
+    objective = objective_of(folder)
+    prepared = objective.prepare(cached_batch(encoders), gen())
+    kwargs = prepared.model_kwargs
+    own, _ = pipeline.encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False, max_sequence_length=TEXT_TOKENS)
+    assert all(torch.equal(a, b) for a, b in zip(kwargs["cap_feats"], own, strict=True))
+    assert [tuple(x.shape) for x in kwargs["x"]] == [(16, 1, SIDE // 2, SIDE // 2)] * 2
+    with torch.no_grad():
+        pred = FAMILY.prediction(pipeline.transformer(**kwargs, return_dict=False)[0])
+        padded = [encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)["prompt_embeds"][i] for i in range(2)]
+        zero_padded = FAMILY.prediction(pipeline.transformer(kwargs["x"], kwargs["t"], padded, return_dict=False)[0])
+    assert pred.shape == prepared.target.shape
+    # The premise: zeros after a caption are tokens to the denoiser, so padding changes its output.
+    assert not torch.allclose(pred, zero_padded, atol=1e-3)
+
+
+@pytest.mark.parametrize("side", [SIDE // 2, 6], ids=["256-tokens", "9-tokens"])
+def test_prepare_backpropagates_into_every_parameter_at_any_size(folder, encoders, side):
+    """x_pad_token fills the image out to a multiple of 32 tokens; it is an input of the forward's
+    torch.where whether or not any token needs it, so at 256 tokens it gets a zero gradient, never
+    None: DeepSpeed (ZeRO 1-3) sees a gradient for every parameter at every size."""
+    model = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer")
+    model.train()
+    objective = objective_of(folder)
+    prepared = objective.prepare(cached_batch(encoders, side=side), gen())
+    loss = objective.loss(model(**prepared.model_kwargs, return_dict=False)[0], prepared)
+    assert loss.shape == () and torch.isfinite(loss)
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert bool(model.x_pad_token.grad.any()) == (side == 6)
+    assert model.cap_pad_token.grad.any()
+
+
+def test_model_inputs_take_the_model_dtype(folder, encoders):
+    kwargs = objective_of(folder, torch.bfloat16).prepare(cached_batch(encoders), gen()).model_kwargs
+    assert {x.dtype for x in kwargs["x"] + kwargs["cap_feats"]} == {torch.bfloat16}
+    assert kwargs["t"].dtype == torch.float32 and kwargs["t"].shape == (2,)
+
+
+# --- validation ----------------------------------------------------------------------------------------
+
+
+def test_validation_renders_what_the_pipeline_renders_from_the_prompt(root, pipeline, tmp_path):
+    """The default guidance 5 runs classifier-free guidance with the encoded "" as ZImagePipeline does:
+    rendering from the cached embeddings gives the pipeline's own image, pixel for pixel."""
+    prompt = CAPTIONS[0]
+    _, _, validator = make_validator(root, "tiny-z-image", f"validation.prompts=['{prompt}']", "validation.seeds=[3]")
+    assert validator.cfg and validator.guidance_scale == 5.0
+    assert set(validator.negative_embeds) == {"prompt_embeds", "prompt_embeds_mask"}
+    path = validator.render(pipeline.transformer, 0, tmp_path)[0]
+    rendered = check_image(path, SIDE, {"prompt": prompt, "guidance_scale": "5.0", "negative_prompt": ""})
+    direct = pipeline(prompt, height=SIDE, width=SIDE, num_inference_steps=2, guidance_scale=5.0,
+                      generator=gen(3)).images[0]
+    assert np.array_equal(rendered, np.asarray(direct).astype(np.int16))
+
+
+@pytest.mark.parametrize(("guidance", "cfg"), [("0.0", False), ("0.5", True)])
+def test_any_guidance_above_zero_is_classifier_free(root, pipeline, tmp_path, guidance, cfg):
+    """ZImagePipeline guides as pos + g * (pos - neg): g = 0 is one prediction (Turbo's setting), and
+    any g above it, 0.5 included, needs the negative prompt's embeddings."""
+    _, _, validator = make_validator(root, "tiny-z-image", "validation.prompts=['a cat']",
+                                     f"validation.guidance_scale={guidance}")
+    assert validator.cfg is cfg and bool(validator.negative_embeds) is cfg
+    path = validator.render(pipeline.transformer, 1, tmp_path)[0]
+    with Image.open(path) as png:
+        assert png.text["guidance_scale"] == guidance and ("negative_prompt" in png.text) is cfg
+
+
+# --- export --------------------------------------------------------------------------------------------
+
+
+def test_comfyui_lora_is_diffusers_names_that_diffusers_reads_back(folder):
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    model = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer")
+    rank, alpha = 4, 8.0
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(FAMILY.lora_targets),
+                                 init_lora_weights="gaussian"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(generator=gen(7))
+    layers = get_peft_model_state_dict(model)
+    comfy = comfyui_lora_state_dict(spec_of(folder), model, layers, alpha)
+    modules = {k.removesuffix(".lora_A.weight") for k in layers if k.endswith(".lora_A.weight")}
+    assert {"noise_refiner.0.attention.to_q", "context_refiner.0.attention.to_out.0", "layers.1.attention.to_v"} <= modules
+    assert set(comfy) == {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert all(comfy[f"diffusion_model.{m}.alpha"].item() == alpha for m in modules)
+
+    converted = ZImagePipeline.lora_state_dict(comfy)  # diffusers' own reader of non-diffusers Z-Image LoRAs
+    state = converted[0] if isinstance(converted, tuple) else converted
+    for module in modules:
+        expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank)
+        got = state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_comfyui_model_is_the_original_layout_and_converts_back_exactly(pipeline):
+    weights = {name: tensor.clone() for name, tensor in pipeline.transformer.state_dict().items()}
+    comfy = FAMILY.comfyui_model(dict(weights))
+    dim = pipeline.transformer.config.dim
+    for key in ("layers.0.attention.qkv.weight", "noise_refiner.0.attention.qkv.weight",
+                "context_refiner.0.attention.qkv.weight"):
+        assert comfy[key].shape == (3 * dim, dim)
+    assert {"x_embedder.weight", "final_layer.adaLN_modulation.1.weight", "layers.0.attention.out.weight",
+            "layers.0.attention.q_norm.weight", "cap_pad_token", "x_pad_token"} <= comfy.keys()
+    assert not [k for k in comfy if any(part in k for part in ("to_q", "to_out", "norm_k", "all_x_embedder"))]
+    back = convert_z_image_transformer_checkpoint_to_diffusers(dict(comfy))
+    assert back.keys() == weights.keys()
+    assert all(torch.equal(back[name], tensor) for name, tensor in weights.items())

@@ -1,0 +1,326 @@
+"""Qwen-Image: QwenImageTransformer2DModel, its AutoencoderKLQwenImage (the Wan-2.1 VAE) and Qwen2.5-VL's
+last hidden states of the templated prompt, as QwenImagePipeline and diffusers'
+train_dreambooth_lora_qwen_image.py use them.
+
+What sets it apart from FLUX.1:
+- The VAE is 3-D (video): pixels go in as (B, 3, 1, H, W) and latents come out as (B, 16, 1, h, w). The
+  frame axis is dropped for the cache and training, and latents are normalized per channel,
+  (z - latents_mean) / latents_std, as the training script does and the pipeline undoes before decoding.
+- The text is variable-length: encode_prompt drops the template's 34-token system prefix and pads only
+  to the longest caption of its batch, with a mask (None when nothing is padded). The cache keeps every
+  caption zero-padded to text_tokens with its mask, so captions collate. Training trims each batch to
+  its longest caption and passes the mask as encoder_hidden_states_mask. The transformer masks padded
+  keys in attention and gives text RoPE positions over the padded width, so padding does not change
+  the image stream (3.6e-7 against the same caption unpadded, in float32).
+- The timestep is sigma (the pipeline passes t / 1000 and the model scales it by 1000). There is no
+  guidance input: Qwen-Image uses true classifier-free guidance (true_cfg_scale with a negative prompt).
+- The scheduler shifts by the image sequence length (use_dynamic_shifting, exponential time shift,
+  mu from 0.5 at 256 tokens to 0.9 at 8192). Training draws sigma through the same time_shift. The
+  published config also has shift_terminal 0.02. set_timesteps applies it to an n-step inference grid:
+  an affine stretch of 1 - sigma, scaled by that grid's own last sigma, so that the last step lands on
+  0.02. A continuous training draw has no last step to scale by, so training leaves shift_terminal out
+  and covers every sigma in (0, 1), which includes every sigma the stretched grid visits. diffusers'
+  script does not shift at all (its shift=3.0 is ignored under dynamic shifting); objective.shift=1
+  gives that.
+
+LoRA defaults to the training script's targets: the image stream's attention projections (to_q, to_k,
+to_v, to_out.0). The text stream's (add_q_proj, add_k_proj, add_v_proj, to_add_out) and the MLPs are
+left to training.lora.target_modules. ComfyUI names the transformer's modules as diffusers does, so the
+ComfyUI LoRA is the diffusers module path under "diffusion_model.", and a full fine-tune's diffusers
+keys load in ComfyUI unchanged (it detects Qwen-Image by txt_norm.weight).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from zerotrain.errors import ZerotrainError
+from zerotrain.families.base import (
+    PUBLISHED_VAE_SCALE_FACTOR,
+    Family,
+    VaeFacts,
+    check_tokens,
+    example_timestep,
+    meta_or_random,
+)
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from zerotrain.models.catalog import ModelSpec
+    from zerotrain.objectives import FlowMatching
+
+# QwenImagePipeline packs each 2x2 patch of latents into one token (_pack_latents): in_channels is 4 x
+# the VAE's z_dim (64 = 4 x 16), and the pipeline reads the latent channels as in_channels // 4.
+QWEN_PATCH = 2
+_PACKING = QWEN_PATCH * QWEN_PATCH
+# QwenImagePipeline.check_inputs refuses max_sequence_length above 1024 text tokens.
+MAX_TEXT_TOKENS = 1024
+# The published scheduler config (Qwen/Qwen-Image scheduler/scheduler_config.json).
+QWEN_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+# AutoencoderKLQwenImage's defaults (equal to Qwen/Qwen-Image vae/config.json), when a config omits them.
+_VAE_DEFAULTS = {"z_dim": 16, "temperal_downsample": [False, True, True]}
+# Denoiser config flags of the image-conditioned variants (Qwen-Image-Edit-2511's zero_cond_t,
+# Qwen-Image-Layered's extra timestep condition and 3-D RoPE), whose conditioning the text-to-image
+# pipeline does not produce.
+_EDIT_FLAGS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+# The tiny text encoder's layers and heads: two layers, so the last hidden state differs from the embeddings.
+_TINY_TEXT_LAYERS = 2
+_TINY_TEXT_HEADS = 2
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C) by QwenImagePipeline._pack_latents: the image tokens."""
+    from diffusers import QwenImagePipeline
+
+    if latents.ndim != 4 or latents.shape[0] < 1:
+        raise ValueError(f"latents must be (B, C, h, w), got {tuple(latents.shape)}")
+    b, c, h, w = latents.shape
+    if h % QWEN_PATCH or w % QWEN_PATCH:
+        raise ValueError(f"pack_latents: latent height and width must be even, got {h}x{w}")
+    return QwenImagePipeline._pack_latents(latents, b, c, h, w)
+
+
+def image_shapes(batch: int, height: int, width: int) -> list[list[tuple[int, int, int]]]:
+    """img_shapes for (height, width) latents as QwenImagePipeline passes them: one frame of
+    h/2 x w/2 tokens per sample (the transformer's RoPE reads the first sample's, so a batch shares one size)."""
+    return [[(1, height // QWEN_PATCH, width // QWEN_PATCH)]] * batch
+
+
+def trim_text(text: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded embeddings (B, T, D) and their mask (B, T) (nonzero = a token, any dtype) cut to the
+    longest caption's length L: (B, L, D) and a bool mask (B, L)."""
+    if text.ndim != 3 or mask.shape != text.shape[:2]:
+        raise ValueError(f"prompt_embeds (B, T, D) and prompt_embeds_mask (B, T) do not match: "
+                         f"{tuple(text.shape)} and {tuple(mask.shape)}")
+    valid = mask > 0
+    length = int(valid.sum(dim=1).max())
+    if length < 1:
+        raise ValueError("prompt_embeds_mask marks no token of any caption")
+    return text[:, :length], valid[:, :length]
+
+
+def _channel_view(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """Per-channel constants (C,) as (1, C, 1, 1) against latents (B, C, h, w)."""
+    import torch
+
+    if like.ndim != 4 or like.shape[1] != len(values):
+        raise ValueError(f"expected latents (B, {len(values)}, h, w), got {tuple(like.shape)}")
+    return torch.tensor(values, device=like.device, dtype=like.dtype).view(1, -1, 1, 1)
+
+
+class QwenImage(Family):
+    name = "qwen_image"
+    title = "Qwen-Image"
+    denoiser_classes = ("QwenImageTransformer2DModel",)
+    vae_class = "AutoencoderKLQwenImage"
+    pipeline = "QwenImagePipeline"
+    text_components = (("tokenizer", "text_encoder"),)
+    text_outputs = ("prompt_embeds", "prompt_embeds_mask")
+    # QwenImagePipeline.__call__'s max_sequence_length (and the training script's).
+    default_text_tokens = 512
+    # As diffusers' train_dreambooth_lora_qwen_image.py chooses them.
+    lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
+    # QwenImagePipeline.__call__'s true_cfg_scale: classifier-free, with a negative prompt.
+    default_guidance = 4.0
+    classifier_free_guidance = True
+    default_in_channels = 64
+    # calculate_shift's defaults as QwenImagePipeline writes them.
+    shift_defaults: ClassVar[dict[str, float]] = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+
+    def latent_channels(self, config: dict[str, Any], where: Path | str) -> int:
+        channels = int(config.get("in_channels") or self.default_in_channels)
+        if channels % _PACKING:
+            raise ZerotrainError(
+                f"model.name_or_path: {where} has {channels} input channels; Qwen-Image packs 2x2 latent "
+                "patches, so it must be a multiple of 4"
+            )
+        return channels // _PACKING
+
+    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
+        # Qwen/Qwen-Image vae: 8x, 16 channels, normalized per channel (no single scaling or shift).
+        return VaeFacts(PUBLISHED_VAE_SCALE_FACTOR, self.latent_channels(config, "config"), None, None)
+
+    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
+        """An AutoencoderKLQwenImage config: z_dim channels; the pipeline's scale factor
+        2 ** len(temperal_downsample)."""
+        vae = {**_VAE_DEFAULTS, **vae_config}
+        return VaeFacts(2 ** len(vae["temperal_downsample"]), int(vae["z_dim"]), None, None)
+
+    def patch(self, spec: ModelSpec) -> int:
+        return QWEN_PATCH
+
+    def plan_only(self, spec: ModelSpec) -> str | None:
+        if any(spec.config.get(flag) for flag in _EDIT_FLAGS):
+            return "image-conditioned Qwen-Image transformers (Edit-2511, Layered)"
+        return None
+
+    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
+        """prompt_embeds (B, text_tokens, d): Qwen2.5-VL's last hidden states of each templated caption
+        without the template's system prefix, truncated to text_tokens as the pipeline truncates them
+        and zero-padded to text_tokens; prompt_embeds_mask (B, text_tokens) int64, 1 for a token."""
+        import torch
+
+        check_tokens(text_tokens, 1, MAX_TEXT_TOKENS, "Qwen2.5-VL tokens for Qwen-Image")
+        embeds, mask = pipeline.encode_prompt(captions, device=device, max_sequence_length=text_tokens)
+        b, length, _ = embeds.shape
+        if mask is None:  # encode_prompt drops an all-ones mask
+            mask = torch.ones(b, length, dtype=torch.long, device=embeds.device)
+        pad = text_tokens - length
+        return {
+            "prompt_embeds": torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
+            "prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
+        }
+
+    def vae_downsampling(self, vae: Any) -> int:
+        return 2 ** len(vae.config.temperal_downsample)
+
+    def vae_latent_channels(self, vae: Any) -> int:
+        return int(vae.config.z_dim)
+
+    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
+        """The posterior of one-frame videos (B, 3, 1, H, W), as the training script encodes images,
+        with the frame axis dropped: the same distribution and the same draws, over (B, C, h, w)."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        parameters = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)).latent_dist.parameters
+        if parameters.ndim != 5 or parameters.shape[2] != 1:
+            raise AssertionError(f"AutoencoderKLQwenImage: expected (B, 2C, 1, h, w) moments, got {tuple(parameters.shape)}")
+        return DiagonalGaussianDistribution(parameters.squeeze(2))
+
+    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        """(z - latents_mean) * (1 / latents_std) per channel, as the training script writes it; the
+        pipeline decodes latents * latents_std + latents_mean."""
+        mean = _channel_view(vae.config.latents_mean, latents)
+        inverse_std = 1.0 / _channel_view(vae.config.latents_std, latents)
+        return (latents - mean) * inverse_std
+
+    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
+        return std * (1.0 / _channel_view(vae.config.latents_std, std))
+
+    def flow_inputs(self, objective: FlowMatching, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        b, _, h, w = x_t.shape
+        text, mask = batch["prompt_embeds"], batch["prompt_embeds_mask"]
+        if text.shape[0] != b:
+            raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
+        text, valid = trim_text(text, mask)
+        dtype = objective.model_dtype
+        # QwenImagePipeline passes timestep / 1000 = sigma (the model scales it by 1000), no guidance, and
+        # no mask when no caption is padded (as encode_prompt returns it), which lets SDPA use flash attention.
+        return {
+            "hidden_states": pack_latents(x_t).to(dtype),
+            "encoder_hidden_states": text.to(dtype),
+            "encoder_hidden_states_mask": None if bool(valid.all()) else valid,
+            "timestep": sigma,
+            "img_shapes": image_shapes(b, h, w),
+        }, pack_latents(target)
+
+    def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
+                       device: Any, dtype: Any) -> dict[str, Any]:
+        """Every caption text_tokens long (no padding, so no mask): the longest text a batch can carry."""
+        config = spec.config
+        tensor = meta_or_random(device, dtype)
+        lat_h, lat_w = height // spec.vae_scale_factor, width // spec.vae_scale_factor
+        tokens = (lat_h // QWEN_PATCH) * (lat_w // QWEN_PATCH)
+        return {
+            "hidden_states": tensor(batch, tokens, int(config.get("in_channels", self.default_in_channels))),
+            "encoder_hidden_states": tensor(batch, text_tokens, int(config.get("joint_attention_dim", 3584))),
+            "timestep": example_timestep(tensor, batch, device),
+            "img_shapes": image_shapes(batch, lat_h, lat_w),
+        }
+
+    def validation_kwargs(self, embeds: dict[str, Any], negative: dict[str, Any] | None, guidance_scale: float) -> dict[str, Any]:
+        """Each prompt cut to its own length, as the pipeline encodes a prompt alone; the all-ones mask
+        given along is what the pipeline's encode_prompt turns into None itself. Guidance is
+        true_cfg_scale; max_sequence_length admits every cached token (the pipeline's default is 512)."""
+        text, mask = trim_text(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
+        kwargs: dict[str, Any] = {"prompt_embeds": text, "prompt_embeds_mask": mask,
+                                  "true_cfg_scale": guidance_scale,
+                                  "max_sequence_length": int(embeds["prompt_embeds"].shape[1])}
+        if negative is not None:
+            text, mask = trim_text(negative["prompt_embeds"], negative["prompt_embeds_mask"])
+            kwargs.update({"negative_prompt_embeds": text, "negative_prompt_embeds_mask": mask})
+        return kwargs
+
+    def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
+        """"diffusion_model." + the diffusers module path, with lora_A / lora_B and alpha (ComfyUI's
+        Qwen-Image modules have diffusers' names; it scales by alpha / rank, as peft does)."""
+        import torch
+
+        out: dict[str, torch.Tensor] = {}
+        for module, (down, up) in pairs.items():
+            name = f"diffusion_model.{module}"
+            out[f"{name}.lora_A.weight"] = down.contiguous()
+            out[f"{name}.lora_B.weight"] = up.contiguous()
+            out[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
+        return out
+
+    def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+        """Qwen2.5-VL as wide as joint_attention_dim (its vision tower too, unused for text), and a
+        tokenizer that splits the pipeline's template as Qwen's does, so its 34-token prefix drops exactly."""
+        from transformers import Qwen2_5_VLForConditionalGeneration
+
+        from zerotrain.models import tiny_parts as tiny
+
+        pipeline_class = tiny.diffusers_class("QwenImagePipeline")
+        template = pipeline_class(None, None, None, None, None).prompt_template_encode
+        tokenizer = tiny.qwen2_tokenizer(template)
+        return pipeline_class, {
+            "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(QWEN_SCHEDULER),
+            "text_encoder": tiny.seeded("text_encoder", Qwen2_5_VLForConditionalGeneration,
+                                        _qwen25_vl_config(tokenizer, denoiser)),
+            "tokenizer": tokenizer,
+            "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config,
+                                       denoiser),
+        }
+
+
+def _qwen25_vl_config(tokenizer: Any, denoiser: dict[str, Any]) -> Any:
+    """A narrow Qwen2.5-VL: hidden size joint_attention_dim; its multimodal RoPE sections split the
+    head's rotary half 1:1.5:1.5 as the published [16, 24, 24] of 64."""
+    from transformers import Qwen2_5_VLConfig
+
+    from zerotrain.models import tiny_parts as tiny
+
+    width = denoiser["joint_attention_dim"]
+    rotary = width // _TINY_TEXT_HEADS // 2
+    tiny.check_room(width % (4 * _TINY_TEXT_HEADS) == 0 and rotary >= 4, "tiny-qwen-image", denoiser)
+    temporal = rotary // 4
+    height = (rotary - temporal) // 2
+    return Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_hidden_layers": _TINY_TEXT_LAYERS,
+            "num_attention_heads": _TINY_TEXT_HEADS,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [temporal, height, rotary - temporal - height],
+                                "rope_theta": 1000000.0},
+            "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": width},
+    )
+
+
+FAMILY = QwenImage()
