@@ -1,5 +1,6 @@
 """A run stopped after a checkpoint and continued with resume=auto trains exactly as one that was
-never stopped, under ZeRO 1, 2 and 3.
+never stopped, under ZeRO 1 and 3 (ZeRO-2's resumes are test_chaos.py's five preemptions, which
+compare every step's loss with an uninterrupted run the same way).
 
 For each stage (forced with planner.stages=[S], planner.offload=[none]), a full fine-tune of
 tiny-flux on two CPU ranks (gloo), global batch 2 (micro 1 per rank), on the 8 bundled images:
@@ -55,7 +56,7 @@ def exported_tensors(run_dir):
     return exported_tensors_in(run_dir / "export")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3], ids=lambda s: f"zero{s}")
+@pytest.mark.parametrize("stage", [1, 3], ids=lambda s: f"zero{s}")
 def test_resumed_run_matches_uninterrupted_run(train, stage):
     common = (f"planner.stages=[{stage}]", "planner.offload=[none]", "training.mode=full",
               f"training.checkpoint_every={CHECKPOINT_AT}", "training.resume=auto",
