@@ -4,6 +4,7 @@ SLURM_LOCALID). Nothing else in zerotrain reads these variables."""
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -246,4 +247,9 @@ def shutdown(clean: bool, heartbeat: Heartbeat | None = None) -> None:
         if heartbeat is not None:
             heartbeat.stop()
         if torch.distributed.is_initialized():
+            # DeepSpeed engines are reference cycles that hold their process groups: unless collected
+            # now, a group's gloo threads live on until the interpreter finalizes and abort it there
+            # (a test worker that built five engines did, once in a few runs, even after the destroy).
+            gc.collect()
             torch.distributed.destroy_process_group()
+            gc.collect()
