@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerotrain.distributed import Topology, all_ok, barrier, gather_objects
+from zerotrain.distributed import Topology, accelerator, all_ok, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
 
 LATEST = "latest"
@@ -63,7 +63,7 @@ def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
                                                     cached),
              "torch": torch.get_rng_state(), "generators": {name: g.get_state() for name, g in generators.items()}}
-    if torch.cuda.is_available():
+    if accelerator()[0] == "cuda":
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -73,7 +73,7 @@ def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and accelerator()[0] == "cuda":
         torch.cuda.set_rng_state_all(state["cuda"])
     for name, g in generators.items():
         g.set_state(state["generators"][name])

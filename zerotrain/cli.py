@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from zerotrain import doctor, launch
+from zerotrain import calibrate, doctor, launch
 from zerotrain.config import load_config
 from zerotrain.config.flags import add_plan_flags, config_from_args
 from zerotrain.errors import ZerotrainError
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, help="output folder (default: RUN/export)")
     e.add_argument("--ema", action="store_true", help="export the EMA of the weights (runs with ema.enabled)")
     e.add_argument("--comfyui", action="store_true", help="also write a ComfyUI-style LoRA / model file")
+    calibrate.add_parser(commands)
     doctor.add_parser(commands)
     launch.add_parser(commands)
     return parser
@@ -58,13 +59,13 @@ def run_cache(args: argparse.Namespace) -> int:
     import torch
 
     from zerotrain.data.prepare import prepare
-    from zerotrain.distributed import init_process_group, topology
+    from zerotrain.distributed import init_process_group, local_device, topology
     from zerotrain.models.catalog import resolve_model
 
     run = load_config(args.config, args.overrides)
     topo = topology()
     init_process_group(topo)
-    device = f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu"
+    device = local_device(topo)
     prepared = prepare(run, resolve_model(run.model), topo, device)
     if topo.is_main:
         for line in prepared.summary():
@@ -100,6 +101,7 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from zerotrain import families
     from zerotrain.hardware import hardware_facts
     from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner import calibration
     from zerotrain.planner.deepspeed_json import deepspeed_config, validate, write_config
     from zerotrain.planner.measure import measure_model
     from zerotrain.planner.report import print_plan, suggestions
@@ -109,8 +111,11 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     run = config_from_args(args)
     hw = hardware_facts(run.hardware)
     spec = resolve_model(run.model)
+    run, hw, calibrated = calibration.apply(run, hw, families.of(spec).name)
     facts = measure_model(spec, run, cache=not args.no_cache)
     result = plan(facts, hw, run)
+    if calibrated:
+        result.reasons.insert(3, calibrated)
     kind = families.of(spec).plan_only(spec)
     if kind is not None:
         result.reasons.append(f"{spec.name} is plan-only: zerotrain cannot cache or train {kind}")
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),
                     "export": lambda: run_export(args), "doctor": lambda: doctor.main(args),
-                    "launch": lambda: launch.main(args)}
+                    "launch": lambda: launch.main(args), "calibrate": lambda: calibrate.main(args)}
         return commands[args.command]()
     except ZerotrainError as err:
         if args.debug:

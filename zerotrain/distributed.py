@@ -4,6 +4,7 @@ SLURM_LOCALID). Nothing else in zerotrain reads these variables."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from collections.abc import Mapping, MutableMapping
@@ -65,14 +66,39 @@ def first_host(nodelist: str) -> str:
     return prefix + first + head[head.index("]") + 1:]
 
 
+@functools.cache
+def accelerator() -> tuple[str, str]:
+    """The device type and collective backend of the accelerator DeepSpeed selected: DS_ACCELERATOR
+    when set, otherwise DeepSpeed's detection ('cuda' and 'nccl' on an NVIDIA node). zerotrain's
+    own tensors follow it, so a run (or a test) with DS_ACCELERATOR=cpu stays on the CPU and gloo
+    on a GPU machine too, instead of asking for cuda:<local_rank> on a node with fewer GPUs."""
+    from deepspeed.accelerator import get_accelerator
+
+    selected = get_accelerator()
+    return selected.device_name(), selected.communication_backend_name()
+
+
+def local_device(topo: Topology) -> torch.device:
+    """This process's device on DeepSpeed's accelerator: cuda:<local_rank> on GPUs, cpu otherwise."""
+    kind, _ = accelerator()
+    return torch.device(kind, topo.local_rank) if kind != "cpu" else torch.device("cpu")
+
+
+def use_device(topo: Topology) -> torch.device:
+    """Make this process's accelerator device current (before any collective: NCCL uses the
+    current device) and return it."""
+    device = local_device(topo)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def init_process_group(topo: Topology) -> None:
-    """Join the job's process group (NCCL on GPUs, gloo on CPU) when there is more than one
-    process. MASTER_ADDR/MASTER_PORT come from the launcher."""
+    """Join the job's process group (the accelerator's backend: NCCL on GPUs, gloo on CPU) when
+    there is more than one process. MASTER_ADDR/MASTER_PORT come from the launcher."""
     if topo.world_size > 1 and not torch.distributed.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(topo.local_rank)
-        torch.distributed.init_process_group(backend, rank=topo.rank, world_size=topo.world_size)
+        use_device(topo)
+        torch.distributed.init_process_group(accelerator()[1], rank=topo.rank, world_size=topo.world_size)
 
 
 def barrier() -> None:

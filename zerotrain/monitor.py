@@ -39,14 +39,15 @@ SMOOTHING = 0.9  # weight of the old value in the smoothed loss and speed
 class StepTimes:
     """Seconds of one optimizer step, by phase (GPU work is synchronised at each boundary)."""
 
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     data: float = 0.0
     forward_backward: float = 0.0
     optimizer: float = 0.0
     _mark: float = field(default_factory=time.perf_counter)
 
     def lap(self, phase: str) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         setattr(self, phase, getattr(self, phase) + now - self._mark)
         self._mark = now

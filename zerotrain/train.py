@@ -37,7 +37,18 @@ from zerotrain.checkpoint import (
     usable,
 )
 from zerotrain.config import RunConfig, load_config
-from zerotrain.distributed import Heartbeat, Topology, agree, barrier, shutdown, slurm_rendezvous, topology
+from zerotrain.distributed import (
+    Heartbeat,
+    Topology,
+    accelerator,
+    agree,
+    barrier,
+    local_device,
+    shutdown,
+    slurm_rendezvous,
+    topology,
+    use_device,
+)
 from zerotrain.errors import ZerotrainError
 from zerotrain.faults import StopSignal, oom_advice
 from zerotrain.monitor import Monitor, StepTimes, measured_peaks
@@ -81,7 +92,9 @@ def _plan_here(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, obje
     deepspeed_json.complete_given), after the planner has evaluated it: a warning is printed when
     it is predicted not to fit. Gradient checkpointing for a given config follows
     training.gradient_checkpointing, or with auto, the planner: only if it does not fit without."""
+    from zerotrain import families
     from zerotrain.hardware import hardware_facts
+    from zerotrain.planner import calibration
     from zerotrain.planner.deepspeed_json import (
         complete_given,
         deepspeed_config,
@@ -95,8 +108,11 @@ def _plan_here(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, obje
     hw = hardware_facts(run.hardware)
     per_node = topo.world_size // run.hardware.nodes or 1
     hw = dataclasses.replace(hw, gpus_per_node=per_node, nodes=topo.world_size // per_node)
+    run, hw, calibrated = calibration.apply(run, hw, families.of(spec).name)
     facts = measure_model(spec, run)
     result = plan(facts, hw, run)
+    if calibrated:
+        result.reasons.insert(3, calibrated)
     given = given_config(run)
     if given is None:
         if result.chosen is None:
@@ -163,6 +179,23 @@ def collective_failure(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and any(k in text for k in ("gloo", "NCCL", "Connection reset", "Connection closed")))
 
 
+def exact_pinning_supported() -> bool:
+    """Whether this torch knows pinned_max_round_threshold_mb (2.13 is the oldest checked)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
+def allocator_settings(run: RunConfig) -> None:
+    """The allocator settings the planner's constants assume, set before any CUDA allocation and
+    added to what the user or launcher set: expandable segments (planner.fragmentation) and exact
+    pinning of host buffers above planner.pinned_exact_above_mib (memory.pinned_bytes)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    threshold = run.planner.pinned_exact_above_mib
+    if threshold is not None and "pinned_max_round_threshold_mb" not in conf and exact_pinning_supported():
+        conf += f",pinned_max_round_threshold_mb:{threshold}"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+
+
 def train(args: argparse.Namespace) -> int:
     """Parse and validate everything before any model loads, and hide the library output nobody
     needs to read before the libraries load (DeepSpeed may log as it is imported); undone at the
@@ -181,8 +214,7 @@ def start(run: RunConfig) -> int:
     from zerotrain.families import check_resolution
     from zerotrain.models.catalog import resolve_model
 
-    # The allocator setting the planner's fragmentation constant assumes (before any CUDA allocation).
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    allocator_settings(run)
     slurm_rendezvous()
     topo = topology()
     spec = resolve_model(run.model)
@@ -190,9 +222,8 @@ def start(run: RunConfig) -> int:
     checkpoint = find(run.output_dir, run.training.resume)
     if topo.world_size == 1:
         standalone_rendezvous()
-    if torch.cuda.is_available():  # before any collective: NCCL uses the current device
-        torch.cuda.set_device(topo.local_rank)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+    use_device(topo)
+    deepspeed.init_distributed(dist_backend=accelerator()[1],
                                timeout=timedelta(seconds=run.faults.collective_timeout_seconds))
     heartbeat = Heartbeat(topo, run.faults.lost_rank_seconds)
     finished = False
@@ -236,13 +267,18 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
     from zerotrain.planner.search import describe, gib
     from zerotrain.sampling import Validator
 
-    device = torch.device(f"cuda:{topo.local_rank}" if torch.cuda.is_available() else "cpu")
+    device = local_device(topo)
 
     # Plan (a resume keeps the checkpoint's ZeRO stage), and record the run.
     if checkpoint is not None:
         run = resume_stage(run, checkpoint)
     ds_config, plan_result, layout, hw = plan_deepspeed(run, spec, topo)
     peak_flops = hw.peak_bf16_flops if device.type == "cuda" else None
+    if (topo.is_main and device.type == "cuda" and layout.offload_optimizer == "cpu"
+            and run.planner.pinned_exact_above_mib is not None and not exact_pinning_supported()):
+        print(f"zerotrain: warning: torch {torch.__version__} rounds every pinned host buffer up to a power of two "
+              "(no pinned_max_round_threshold_mb before torch 2.13): the offload may take up to twice the planned "
+              "host RAM; plan with planner.pinned_exact_above_mib: null, or upgrade torch", file=sys.stderr, flush=True)
     write_run_folder(run, ds_config, plan_result, topo)
     micro, accumulation, checkpointing = layout.micro_batch, layout.accumulation, layout.gradient_checkpointing
 
@@ -331,7 +367,7 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
         while step < run.training.max_steps:
             at_start = rng_state(generators)  # to checkpoint this boundary if the step is abandoned
             lr = engine.get_lr()[0]  # this step's learning rate (engine.step() moves the schedule on)
-            times = StepTimes()
+            times = StepTimes(device)
             losses = []
             stopping = False
             for micro_index in range(accumulation):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 
@@ -34,3 +38,18 @@ def test_slurm_variables_become_torch_rendezvous_variables():
     launched = {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
     slurm_rendezvous(launched)  # a launcher's variables win over Slurm's
     assert (launched["RANK"], launched["WORLD_SIZE"]) == ("1", "2")
+
+
+def test_the_device_follows_deepspeeds_accelerator_not_torch_cuda(tmp_path):
+    """On a GPU machine the distributed tests run with DS_ACCELERATOR=cpu: rank 1 of 2 must stay on
+    the CPU with gloo, not ask for cuda:1 of a 1-GPU node (what torch.cuda.is_available() suggested)."""
+    probe = (
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"  # what a GPU node says
+        "from zerotrain.distributed import Topology, accelerator, local_device\n"
+        "print(accelerator(), local_device(Topology(rank=1, world_size=2, local_rank=1)))\n"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True,
+                         cwd=tmp_path).stdout.strip().splitlines()[-1]
+    assert out == "('cpu', 'gloo') cpu"

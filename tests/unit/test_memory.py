@@ -7,7 +7,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from zerotrain.planner import memory
-from zerotrain.planner.memory import PINNED_HOST_FACTOR, Buffers, Layout, Sizes
+from zerotrain.planner.memory import Buffers, Layout, Sizes
 
 P = 11_901_408_320  # flux-dev transformer
 LARGEST = 56_641_536  # its largest module (DeepSpeed's model_to_params definition)
@@ -15,6 +15,15 @@ LARGEST = 56_641_536  # its largest module (DeepSpeed's model_to_params definiti
 # No buffers: DeepSpeed's estimators count model states only.
 NO_BUFFERS = Buffers(reduce_bucket_size=0, allgather_bucket_size=0, overlap_comm=False,
                      stage3_prefetch_bucket_size=0, sub_group_size=10**15)
+# DeepSpeed's estimators multiply the host terms by additional_buffer_factor=1.5 for pinning; ours
+# rounds each pinned buffer as torch does (tested below), so the comparison is before either.
+DS_HOST_FACTOR = 1.5
+EXACT = Buffers(pinned_exact_above=0)
+
+
+def unpinned_offload(layout: Layout, s: Sizes) -> int:
+    """The planner's offload bytes per node with every buffer at its exact size."""
+    return memory.host_bytes(layout, s, EXACT)["offload"]
 
 
 def sizes(world: int, gpus_per_node: int | None = None) -> Sizes:
@@ -42,12 +51,13 @@ def test_zero2_offload_equals_deepspeed(world):
     layout = Layout(stage=2, offload_optimizer="cpu")
     s = sizes(world)
     assert model_states(layout, s) == ds_gpu
-    # DeepSpeed: P * max(4N, 16) * 1.5. The offload term (16 bytes/param, pinned x1.5) dominates
-    # up to 4 GPUs; beyond, DeepSpeed assumes each process also pins an fp32 model copy. The
-    # estimator leaves out the pinned bf16 copy of the partition that the real engine holds
-    # (param_buffer_of_bit16_for_cpu_offload_groups; tests/distributed measures it).
-    bf16_copy = int(memory.LP * (P // world) * world * PINNED_HOST_FACTOR)
-    assert abs(memory.host_bytes(layout, s)["offload"] - bf16_copy - ds_cpu) <= 64
+    # DeepSpeed: P * max(4N, 16) * 1.5. The offload term (16 bytes/param) dominates up to 4 GPUs;
+    # beyond, DeepSpeed assumes each process also pins an fp32 model copy. The estimator leaves
+    # out the pinned bf16 copy of the partition and the bf16 staging gradient of the largest
+    # parameter that the real engine holds (tests/distributed measures them).
+    bf16_copy = memory.LP * (P // world) * world
+    staging = memory.LP * s.largest_trainable_param * world
+    assert abs(unpinned_offload(layout, s) - bf16_copy - staging - ds_cpu / DS_HOST_FACTOR) <= 64
 
 
 @pytest.mark.parametrize("world", [1, 2, 8, 64])
@@ -69,9 +79,9 @@ def test_zero3_optimizer_offload_equals_deepspeed(world):
     layout = Layout(stage=3, offload_optimizer="cpu")
     s = sizes(world)
     assert abs(model_states(layout, s) - ds_gpu) <= 64
-    # Host: DeepSpeed's 16 bytes/param (x1.5); ours adds the pinned 16-bit gradient partition.
-    pinned_grads = int(memory.LP * (P // world) * world * PINNED_HOST_FACTOR)
-    assert abs(memory.host_bytes(layout, s)["offload"] - pinned_grads - ds_cpu) <= 64
+    # Host: DeepSpeed's 16 bytes/param; ours adds the pinned 16-bit gradient partition.
+    pinned_grads = memory.LP * (P // world) * world
+    assert abs(unpinned_offload(layout, s) - pinned_grads - ds_cpu / DS_HOST_FACTOR) <= 64
 
 
 @pytest.mark.parametrize("world", [1, 8])
@@ -81,8 +91,8 @@ def test_zero3_param_offload_equals_deepspeed(world):
     layout = Layout(stage=3, offload_optimizer="cpu", offload_param="cpu")
     s = sizes(world)
     assert model_states(layout, s) == ds_gpu == 4 * LARGEST
-    pinned_grads = int(memory.LP * (P // world) * world * PINNED_HOST_FACTOR)
-    assert abs(memory.host_bytes(layout, s)["offload"] - pinned_grads - ds_cpu) <= 64
+    pinned_grads = memory.LP * (P // world) * world
+    assert abs(unpinned_offload(layout, s) - pinned_grads - ds_cpu / DS_HOST_FACTOR) <= 64
 
 
 def test_frozen_params_replicated_under_zero12_and_sharded_under_zero3():
@@ -120,3 +130,41 @@ def test_peak_phase_is_the_maximum_and_activations_count_in_backward():
     assert est.peak_phase == "backward"
     assert est.allocated == max(est.phases.values())
     assert est.terms["activations"] == 40 * 2**30
+
+
+def test_pinned_buffers_round_as_torchs_host_allocator():
+    """torch's caching host allocator rounds each pinned allocation up to a power of two
+    (pytorch#95823: 20.4 GiB pinned as 32 GiB); above pinned_max_round_threshold_mb it is exact."""
+    mib = 2**20
+    assert memory.pinned_bytes(int(20.4 * 1024) * mib, None) == 32 * 1024 * mib
+    assert memory.pinned_bytes(int(20.4 * 1024) * mib, 64 * mib) == int(20.4 * 1024) * mib
+    assert memory.pinned_bytes(40 * mib, 64 * mib) == 64 * mib  # small buffers still round (and are reused)
+    assert memory.pinned_bytes(64 * mib, 64 * mib) == 64 * mib
+    assert memory.pinned_bytes(0, None) == 0
+
+
+def test_offload_host_bytes_pin_what_deepspeed_pins():
+    """ZeRO-2 with the optimizer offloaded, one rank of sdxl's 2.57B: the fp32 master, its fp32
+    gradient and the bf16 upload copy are pinned (rounded up without the threshold); the Adam
+    moments are plain host memory (DeepSpeedCPUAdam's zeros_like), never rounded."""
+    n = 2_567_463_684
+    s = Sizes(trainable_params=n, frozen_bytes=0, frozen_shardable=True, largest_layer_params=10**7,
+              buffer_bytes=0, world_size=1, gpus_per_node=1, largest_trainable_param=10**7, total_params=n)
+    layout = Layout(stage=2, offload_optimizer="cpu", micro_batch=8)
+    exact = memory.host_bytes(layout, s, Buffers())["offload"]
+    assert exact == 4 * n + 4 * n + 2 * n + memory.pinned_bytes(2 * 10**7, 64 * 2**20) + 8 * n
+    rounded = memory.host_bytes(layout, s, Buffers(pinned_exact_above=None))["offload"]
+    power = memory.pinned_bytes
+    assert rounded == 2 * power(4 * n, None) + power(2 * n, None) + power(2 * 10**7, None) + 8 * n
+    pinned = {b.name for b in memory.offload_buffers(layout, s, Buffers()) if b.pinned}
+    assert pinned == {"fp32 master", "fp32 grads", "bf16 upload copy", "grad staging"}
+
+
+def test_zero3_offload_pins_its_gradients_not_its_master_weights():
+    s = Sizes(trainable_params=3 * 10**9, frozen_bytes=0, frozen_shardable=True, largest_layer_params=10**7,
+              buffer_bytes=0, world_size=2, gpus_per_node=2, total_params=3 * 10**9)
+    buffers = {b.name: b for b in memory.offload_buffers(Layout(stage=3, offload_optimizer="cpu"), s,
+                                                          Buffers(sub_group_size=10**9))}
+    assert not buffers["fp32 master"].pinned and buffers["fp32 grads"].pinned
+    assert buffers["fp32 grads"].sizes == (4 * 10**9, 4 * 5 * 10**8)  # one per sub-group of the 1.5B partition
+    assert buffers["bf16 grad partition"].sizes == (2 * 15 * 10**8,)

@@ -273,6 +273,11 @@ class PlannerConfig(_Section):
     fragmentation: float = Field(0.10, ge=0.0, le=1.0)
     """Allocator overhead as a fraction of allocated bytes (reserved/allocated - 1): 10-50% with
     changing shapes, low with expandable_segments (FIELD_NOTES)."""
+    pinned_exact_above_mib: int | None = Field(64, ge=0)
+    """Pinned host buffers above this many MiB are pinned at their exact size: training sets torch's
+    PYTORCH_CUDA_ALLOC_CONF pinned_max_round_threshold_mb to it (torch >= 2.13). Smaller ones round
+    up to a power of two, as torch's caching host allocator does for every pinned buffer by
+    default (null: plan for that default, and leave the allocator setting alone)."""
     reduce_bucket_size: int = Field(200_000_000, ge=1)
     """DeepSpeed reduce_bucket_size in elements; written into the config."""
     allgather_bucket_size: int = Field(200_000_000, ge=1)
@@ -295,6 +300,13 @@ class PlannerConfig(_Section):
     """Bytes/s one node reads or writes its NVMe offload folder (a PCIe 4 NVMe drive)."""
     cache_dir: Path | None = None
     """Where measured model facts are cached; ~/.cache/zerotrain/facts when not given."""
+    host_offload_factor: float = Field(1.0, gt=0.0, le=4.0)
+    """Measured over predicted host RAM of the offload buffers (zerotrain calibrate fits it on a GPU
+    node; 1.0 trusts the buffer model)."""
+    calibration: Path | None = None
+    """calibration.json written by `zerotrain calibrate`: its fitted constants replace the defaults
+    of the fields above that the config does not set. When not given, the calibration of the
+    planned GPU profile in ~/.cache/zerotrain/calibration/ is used if there is one."""
 
 
 class ValidationConfig(_Section):

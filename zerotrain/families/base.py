@@ -135,6 +135,18 @@ class Family:
         """LoRA target modules when training.lora.target_modules is not given."""
         return list(self.lora_targets)
 
+    depth_keys: ClassVar[tuple[str, ...]] = ("num_layers",)
+    """Config keys that count the denoiser's repeated blocks (what `zerotrain calibrate --blocks`
+    shortens)."""
+
+    def with_blocks(self, config: dict[str, Any], blocks: int) -> dict[str, Any]:
+        """The denoiser config with `blocks` blocks in all at full width, shared among depth_keys in
+        proportion to the published depths (at least one each): a quick calibration model."""
+        depths = {key: int(config[key]) for key in self.depth_keys if key in config}
+        if not depths:
+            raise ValueError(f"{self.name}: the config has none of {', '.join(self.depth_keys)} to shorten")
+        return {**config, **share_blocks(depths, blocks)}
+
     def enable_checkpointing(self, model: torch.nn.Module) -> None:
         """Gradient checkpointing of every block, as diffusers' enable_gradient_checkpointing does it."""
         model.enable_gradient_checkpointing()
@@ -266,6 +278,20 @@ class Family:
         """The pipeline class and every component but the VAE for a tiny model of this family, the
         denoiser built from `denoiser` (a catalog config) and text encoders as narrow as it expects."""
         raise NotImplementedError
+
+
+def share_blocks(depths: dict[str, int], blocks: int) -> dict[str, int]:
+    """`blocks` shared among the depths in proportion to them (largest remainders), at least one
+    each where there are enough; depths unchanged when `blocks` is not fewer than their sum."""
+    total = sum(depths.values())
+    if blocks >= total:
+        return dict(depths)
+    floor = 1 if blocks >= len(depths) else 0
+    exact = {k: max(floor, blocks * d / total) for k, d in depths.items()}
+    out = {k: int(v) for k, v in exact.items()}
+    for key in sorted(exact, key=lambda k: exact[k] - out[k], reverse=True)[:max(0, blocks - sum(out.values()))]:
+        out[key] += 1
+    return out
 
 
 def scale_latents(latents: torch.Tensor, scaling_factor: float, shift_factor: float | None) -> torch.Tensor:

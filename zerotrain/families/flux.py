@@ -107,6 +107,7 @@ class Flux(Family):
     # FluxPipeline's max_sequence_length=512 T5 tokens.
     default_text_tokens = 512
     # As diffusers' train_dreambooth_lora_flux.py chooses them.
+    depth_keys = ("num_layers", "num_single_layers")
     lora_targets = (
         "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
         "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",

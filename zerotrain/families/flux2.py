@@ -208,6 +208,7 @@ class Flux2(Family):
     # As diffusers' train_dreambooth_lora_flux2*.py choose them: the double blocks' image attention and
     # the single blocks' fused input and output projections. A single block's attn.to_out is a Linear but
     # a double block's a ModuleList (a bare "to_out" fails there), so default_lora_targets names them by index.
+    depth_keys = ("num_layers", "num_single_layers")
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj")
     # Both pipelines' __call__ guidance_scale: embedded guidance for [dev], classifier-free for klein-base.
     default_guidance = 4.0

@@ -35,6 +35,13 @@ class SD3(Family):
     # StableDiffusion3Pipeline's 77 CLIP + 256 T5 tokens.
     default_text_tokens = 77 + 256
     # As diffusers' train_dreambooth_lora_sd3.py chooses them.
+    def with_blocks(self, config: dict[str, Any], blocks: int) -> dict[str, Any]:
+        """Fewer blocks, and SD3.5-medium's dual-attention blocks among those kept."""
+        out = super().with_blocks(config, blocks)
+        if config.get("dual_attention_layers"):
+            out["dual_attention_layers"] = [i for i in config["dual_attention_layers"] if i < out["num_layers"]]
+        return out
+
     lora_targets = (
         "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
         "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v",

@@ -15,6 +15,7 @@ from zerotrain.families.base import (
     example_timestep,
     kohya_prefixed,
     meta_or_random,
+    share_blocks,
 )
 
 if TYPE_CHECKING:
@@ -73,6 +74,17 @@ class UNet(Family):
     # CLIP's 77 tokens.
     default_text_tokens = 77
     # As diffusers' train_text_to_image_lora_sdxl.py chooses them.
+    def with_blocks(self, config: dict[str, Any], blocks: int) -> dict[str, Any]:
+        """Fewer transformer blocks per down block (transformer_layers_per_block, mirrored by the up
+        blocks), at full width; the ResNets stay."""
+        per_block = config.get("transformer_layers_per_block", 1)
+        if isinstance(per_block, int):
+            per_block = [per_block] * len(config["down_block_types"])
+        depths = {str(i): int(d) for i, (d, kind) in enumerate(zip(per_block, config["down_block_types"]))
+                  if "CrossAttn" in kind}
+        shared = share_blocks(depths, max(blocks, len(depths)))
+        return {**config, "transformer_layers_per_block": [shared.get(str(i), d) for i, d in enumerate(per_block)]}
+
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     # StableDiffusionXLPipeline.__call__'s guidance_scale (classifier-free).
     default_guidance = 5.0

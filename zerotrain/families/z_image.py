@@ -142,6 +142,7 @@ class ZImage(Family):
     # block, the noise and context refiners' included. The SwiGLU feed-forward (feed_forward.w1/w2/w3,
     # 10240 wide) is left out as there: it would add 2.7x the adapter parameters; name them in
     # training.lora.target_modules to train them too.
+    depth_keys = ("n_layers",)
     lora_targets = ("to_k", "to_q", "to_v", "to_out.0")
     # ZImagePipeline.__call__'s guidance_scale, for the base model (Turbo is distilled: set
     # validation.guidance_scale to 0, as its model card does).

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 LP = 2  # bf16 parameter / gradient element
 FP32 = 4  # fp32 master weight / gradient element
 ADAM = 8  # AdamW exp_avg + exp_avg_sq, fp32 each
-# DeepSpeed's own estimators multiply pinned host buffers by 1.5 (additional_buffer_factor in
-# estimate_zero2/zero3_model_states_mem_needs): pinned allocations round up and fragment.
-PINNED_HOST_FACTOR = 1.5
+# Pinned host allocations above this size are pinned exactly: zerotrain sets torch's
+# PYTORCH_CUDA_ALLOC_CONF pinned_max_round_threshold_mb to it (train.py). Below it, torch's caching
+# host allocator rounds each allocation up to a power of two for reuse (CachingHostAllocator.h;
+# pytorch#95823). 64 MiB: DeepSpeed's large offload buffers (partitions of whole parameter groups)
+# are pinned exactly, while per-parameter buffers mostly stay cached and reusable.
+PINNED_EXACT_ABOVE_MIB = 64
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class Sizes:
     load_bytes_per_param: int = LP
     """How each process materialises the model on the host before DeepSpeed takes it."""
     total_params: int = 0
+    param_numels: tuple[int, ...] = ()
+    """Elements of every parameter: DeepSpeed pins some host buffers per parameter, and each
+    allocation rounds up on its own."""
+    all_trainable: bool = True
+    """A full fine-tune: every entry of param_numels is trainable (LoRA: only the adapters)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,11 @@ class Buffers:
     cuda_context_bytes: int = 0
     nccl_workspace_bytes: int = 0
     fragmentation: float = 0.0
+    pinned_exact_above: int | None = PINNED_EXACT_ABOVE_MIB * 2**20
+    """Pinned host allocations above this many bytes are exact, smaller ones round up to a power
+    of two; None: torch's default, every pinned allocation rounds up."""
+    host_offload_factor: float = 1.0
+    """Measured over predicted offload host bytes (zerotrain calibrate)."""
 
 
 def lp_params(layout: Layout, s: Sizes) -> int:
@@ -226,7 +239,7 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
     # and NCCL/cuBLAS workspaces sit outside the allocator (FIELD_NOTES).
     reserved = int(allocated * (1 + b.fragmentation))
     device_total = reserved + b.cuda_context_bytes + b.nccl_workspace_bytes
-    host_terms = host_bytes(layout, s)
+    host_terms = host_bytes(layout, s, b)
     return MemoryEstimate(
         phases=phases, terms={k: v for k, v in phase_terms[peak_phase].items() if v}, peak_phase=peak_phase,
         allocated=allocated, reserved=reserved, device_total=device_total,
@@ -235,33 +248,97 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
     )
 
 
-def host_bytes(layout: Layout, s: Sizes) -> dict[str, int]:
-    """Host RAM per node, by phase: loading (every process materialises the model once before
-    DeepSpeed takes it) and offload (pinned optimizer state, gradients and parameters of the
-    node's ranks, times DeepSpeed's pinned-buffer factor)."""
-    ranks = s.gpus_per_node
-    total = s.total_params or s.trainable_params
-    load = ranks * s.load_bytes_per_param * total
-    offloaded = 0
+@dataclass(frozen=True)
+class HostBuffer:
+    """Host allocations DeepSpeed makes for one rank's offload, of one kind."""
+
+    name: str
+    sizes: tuple[int, ...]
+    """Bytes of each allocation."""
+    pinned: bool
+    """Page-locked through torch's caching host allocator (rounded up, see pinned_bytes)."""
+
+
+def pinned_bytes(nbytes: int, exact_above: int | None) -> int:
+    """Host bytes one pinned allocation takes: torch's caching host allocator rounds it up to the
+    next power of two (CachingHostAllocator.h, torch 2.13), unless it exceeds
+    pinned_max_round_threshold_mb (exact_above; None: torch's default, no threshold)."""
+    if nbytes <= 0:
+        return 0
+    if exact_above is not None and nbytes > exact_above:
+        return nbytes
+    return 1 << (nbytes - 1).bit_length()
+
+
+def _chunks(total: int, size: int) -> tuple[int, ...]:
+    """`total` elements split into groups of at most `size` (ZeRO-3's sub-groups)."""
+    full, rest = divmod(total, size)
+    return (size,) * full + ((rest,) if rest else ())
+
+
+def _rank_share(numels: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """The whole parameters one rank's partition covers: every world-th of the sorted sizes, a
+    share of 1/world of the total (partitions split the flat buffer, not the parameter list)."""
+    return tuple(sorted(numels)[::world]) if world > 1 else numels
+
+
+def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
+    """Host buffers of one rank's offload, as DeepSpeed 0.19 allocates them (offload
+    pin_memory: true, as zerotrain writes it). tests/distributed measures their sizes on a
+    real CPU engine; what is pinned is read from the source:
+    - ZeRO 1/2 (stage_1_and_2.py): the fp32 master partition (single_partition_of_fp32_groups)
+      and its fp32 gradient, a bf16 copy of the partition for the upload after the step
+      (param_buffer_of_bit16_for_cpu_offload_groups) and a bf16 gradient of the largest parameter
+      (temp_grad_buffer_for_cpu_offload) are pinned; with gradient accumulation, ZeRO-2 pins a
+      bf16 accumulator per parameter (accumulated_grads_in_cpu). DeepSpeedCPUAdam's moments are
+      plain host tensors (cpu_adam.py: zeros_like).
+    - ZeRO-3 (stage3.py): the fp32 master per sub-group is plain (a clone), its fp32 gradient
+      pinned; the bf16 gradient partition (grad_partitions_flat_buffer) is pinned. With the
+      parameters offloaded, the trainable bf16 partition is one pinned flat buffer per sub-group
+      (param_groups_fp16_flat_cpu_memory) and each frozen parameter's partition is pinned on its own
+      (partition_parameters.py)."""
     per_rank = s.trainable_params // s.world_size
+    out: list[HostBuffer] = []
     if layout.offload_optimizer == "cpu":
-        # fp32 master + Adam moments + fp32 gradient partition (DeepSpeed's "16 bytes/param").
-        offloaded += ranks * (FP32 + ADAM + FP32) * per_rank
         if layout.stage == 3:
-            offloaded += ranks * LP * per_rank  # pinned grad_partitions_flat_buffer
+            groups = _chunks(per_rank, b.sub_group_size)
+            out += [HostBuffer("fp32 master", tuple(FP32 * n for n in groups), pinned=False),
+                    HostBuffer("fp32 grads", tuple(FP32 * n for n in groups), pinned=True),
+                    HostBuffer("bf16 grad partition", (LP * per_rank,), pinned=True)]
         else:
-            # stage_1_and_2.py: a pinned bf16 copy of the partition for the upload after the step
-            # (param_buffer_of_bit16_for_cpu_offload_groups) and a bf16 gradient staging buffer
-            # of the largest parameter (temp_grad_buffer_for_cpu_offload) ...
-            offloaded += ranks * LP * (per_rank + s.largest_trainable_param)
+            out += [HostBuffer("fp32 master", (FP32 * per_rank,), pinned=True),
+                    HostBuffer("fp32 grads", (FP32 * per_rank,), pinned=True),
+                    HostBuffer("bf16 upload copy", (LP * per_rank,), pinned=True),
+                    HostBuffer("grad staging", (LP * s.largest_trainable_param,), pinned=True)]
             if layout.stage == 2 and layout.accumulation > 1:
-                # ... and, when gradients accumulate, bf16 accumulators (accumulated_grads_in_cpu).
-                offloaded += ranks * LP * per_rank
+                if s.all_trainable and s.param_numels:
+                    sizes = tuple(LP * n for n in _rank_share(s.param_numels, s.world_size))
+                else:  # adapters of unknown sizes: the partition, each one rounded up at worst
+                    sizes = (LP * per_rank,)
+                out.append(HostBuffer("grad accumulators", sizes, pinned=True))
+        out.append(HostBuffer("adam moments", (FP32 * per_rank, FP32 * per_rank), pinned=False))
     if layout.offload_param == "cpu":
-        offloaded += ranks * LP * s.trainable_params // s.world_size
-        if s.frozen_shardable:
-            offloaded += ranks * s.frozen_bytes // s.world_size
-    return {"model load": int(load), "offload": int(offloaded * PINNED_HOST_FACTOR)}
+        out.append(HostBuffer("bf16 params", tuple(LP * n for n in _chunks(per_rank, b.sub_group_size)), pinned=True))
+        if s.frozen_shardable and s.frozen_bytes:
+            if not s.all_trainable and s.param_numels:
+                # the adapters among them are a rounding error
+                sizes = tuple(LP * -(-n // s.world_size) for n in s.param_numels)
+            else:
+                sizes = (s.frozen_bytes // s.world_size,)
+            out.append(HostBuffer("frozen params", sizes, pinned=True))
+    return out
+
+
+def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, int]:
+    """Host RAM per node, by phase: loading (every process materialises the model once before
+    DeepSpeed takes it) and offload (the node's ranks' offload buffers, each pinned allocation
+    as torch's host allocator rounds it)."""
+    b = b or Buffers()
+    total = s.total_params or s.trainable_params
+    load = s.gpus_per_node * s.load_bytes_per_param * total
+    per_rank = sum(pinned_bytes(n, b.pinned_exact_above) if buf.pinned else n
+                   for buf in offload_buffers(layout, s, b) for n in buf.sizes)
+    return {"model load": int(load), "offload": int(s.gpus_per_node * per_rank * b.host_offload_factor)}
 
 
 def nvme_bytes(layout: Layout, s: Sizes) -> int:

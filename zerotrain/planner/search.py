@@ -90,6 +90,8 @@ def buffers_from(run: RunConfig) -> Buffers:
         stage3_max_live_parameters=p.stage3_max_live_parameters, sub_group_size=p.sub_group_size,
         cuda_context_bytes=p.cuda_context_bytes, nccl_workspace_bytes=p.nccl_workspace_bytes,
         fragmentation=p.fragmentation,
+        pinned_exact_above=None if p.pinned_exact_above_mib is None else p.pinned_exact_above_mib * 2**20,
+        host_offload_factor=p.host_offload_factor,
     )
 
 
@@ -102,7 +104,8 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         world_size=hw.world_size, gpus_per_node=hw.gpus_per_node,
         persistent_params=sum(n for n in facts.param_numels if n <= threshold),
         largest_trainable_param=facts.largest_trainable_param,
-        total_params=facts.total_params,
+        total_params=facts.total_params, param_numels=tuple(facts.param_numels),
+        all_trainable=facts.trainable_params == facts.total_params,
     )
 
 

@@ -1,0 +1,92 @@
+"""Calibrations (zerotrain/planner/calibration.py) applied to plans, and the pieces of `zerotrain
+calibrate` that need no engine: the grid around the plan's choice and the reduced-depth model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerotrain import families
+from zerotrain.calibrate import grid
+from zerotrain.config import load_config
+from zerotrain.errors import ZerotrainError
+from zerotrain.families.base import share_blocks
+from zerotrain.hardware import hardware_facts
+from zerotrain.planner import calibration
+
+
+def write(path, constants, device="NVIDIA H100 80GB HBM3"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": 1, "device": device, "profile": "H100-80GB", "date": "2026-11-24",
+                                "constants": constants, "defaults": [], "measurements": []}))
+    return path
+
+
+def test_a_calibration_replaces_the_defaults_the_config_leaves_unset(tmp_path):
+    path = write(tmp_path / "cal.json", {"fragmentation": 0.03, "cuda_context_bytes": 500 * 2**20,
+                                         "assumed_mfu": {"flux": 0.31, "sd3": 0.2}, "host_to_device_bandwidth": 2.1e10})
+    run = load_config(None, ["hardware.gpus=1xH100-80GB", f"planner.calibration={path}", "planner.fragmentation=0.2"])
+    hw = hardware_facts(run.hardware)
+    calibrated, hw2, note = calibration.apply(run, hw, "flux")
+    assert calibrated.planner.fragmentation == 0.2  # the config's own value wins
+    assert calibrated.planner.cuda_context_bytes == 500 * 2**20 and calibrated.planner.assumed_mfu == 0.31
+    assert hw2.host_to_device_bandwidth == 2.1e10
+    assert note.startswith("Calibrated on NVIDIA H100 80GB HBM3, 2026-11-24") and "fragmentation" not in note
+
+
+def test_the_default_calibration_is_the_planned_gpu_profiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    write(calibration.default_path("H100-80GB"), {"cpu_adam_params_per_second": 3e9})
+    for gpus, expected in (("1xH100-80GB", 3e9), ("1xA100-80GB", 2e9)):
+        run = load_config(None, [f"hardware.gpus={gpus}"])
+        calibrated, _, note = calibration.apply(run, hardware_facts(run.hardware), "flux")
+        assert calibrated.planner.cpu_adam_params_per_second == expected
+        assert (note is not None) == (expected == 3e9)
+
+
+def test_a_broken_calibration_is_one_line_naming_the_field(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text("{not json")
+    run = load_config(None, [f"planner.calibration={path}", "hardware.gpus=1xH100-80GB"])
+    with pytest.raises(ZerotrainError, match=r"planner.calibration=.*cal.json: cannot read it"):
+        calibration.apply(run, hardware_facts(run.hardware), "flux")
+    path.write_text(json.dumps({"version": 99}))
+    with pytest.raises(ZerotrainError, match="run zerotrain calibrate again"):
+        calibration.apply(run, hardware_facts(run.hardware), "flux")
+
+
+def test_blocks_are_shared_in_proportion_at_full_width():
+    assert share_blocks({"num_layers": 19, "num_single_layers": 38}, 3) == {"num_layers": 1, "num_single_layers": 2}
+    assert share_blocks({"num_layers": 19, "num_single_layers": 38}, 1) == {"num_layers": 0, "num_single_layers": 1}
+    assert share_blocks({"n_layers": 30}, 100) == {"n_layers": 30}
+    from zerotrain.config.sections import ModelConfig
+    from zerotrain.models.catalog import resolve_model
+
+    flux = resolve_model(ModelConfig(name_or_path="flux-dev"))
+    reduced = families.of(flux).with_blocks(flux.config, 4)
+    assert (reduced["num_layers"], reduced["num_single_layers"]) == (1, 3)
+    assert reduced["num_attention_heads"] == flux.config["num_attention_heads"]
+    sdxl = resolve_model(ModelConfig(name_or_path="sdxl-base"))
+    assert families.of(sdxl).with_blocks(sdxl.config, 3)["transformer_layers_per_block"] == [1, 1, 2]
+
+
+def test_the_star_grid_changes_one_thing_at_a_time_and_reaches_offload(tmp_path):
+    from zerotrain.planner.facts import ActivationFacts, ModelFacts
+    from zerotrain.planner.search import plan
+
+    acts = ActivationFacts(saved_bytes=10**8, forward_peak_bytes=10**8, backward_peak_bytes=2 * 10**8, flops=1e12)
+    facts = ModelFacts(model="m", class_name="FluxTransformer2DModel", family="flux", resolution=512, mode="full",
+                       quantize="none", lora_rank=None, total_params=10**8, trainable_params=10**8, frozen_params=0,
+                       frozen_bytes=0, buffer_bytes=0, largest_layer_params=10**7, block_params={},
+                       param_numels=[10**7] * 10, largest_trainable_param=10**7, image_tokens=1024, text_tokens=512,
+                       input_bytes=10**6, no_checkpointing=acts, checkpointing=acts)
+    run = load_config(None, ["hardware.gpus=1xH100-80GB", "training.global_batch_size=2"])
+    layouts = grid(plan(facts, hardware_facts(run.hardware), run), "star")
+    center = layouts[0]
+    assert all(layout.accumulation == 1 for layout in layouts)
+    assert center.stage == 0 and center.offload_optimizer == "none"
+    assert {layout.stage for layout in layouts} == {0, 1, 2, 3}
+    assert any(layout.offload_optimizer == "cpu" and layout.stage == 1 for layout in layouts)
+    assert any(layout.micro_batch != center.micro_batch for layout in layouts)
+    assert any(layout.gradient_checkpointing != center.gradient_checkpointing for layout in layouts)

@@ -1,0 +1,482 @@
+"""`zerotrain calibrate`: the planner measured against the machine it runs on, in one command.
+
+    zerotrain calibrate --model flux-dev --blocks 4 --mode lora          # one process, this node's GPU
+    deepspeed --num_gpus 2 -m zerotrain.cli calibrate --config run.yaml  # two ranks (or torchrun ... -m zerotrain.cli)
+    DS_ACCELERATOR=cpu zerotrain calibrate --config examples/tiny-cpu.yaml   # host RAM and time only
+
+It takes the flags and config of `zerotrain plan`, builds the denoiser from its config with random
+weights (no download; `--blocks N` keeps N blocks at full width and resolution), plans, and runs a
+few real optimizer steps through zerotrain's own engine (engine.apply_mode and build_engine, the
+DeepSpeed JSON the planner writes, the engine calls of train.py) for a small grid around the
+planned layout: one dimension changed at a time (stage, checkpointing, micro-batch, offload), or
+every combination with --grid full. For each it measures, per phase, the peak allocated and
+reserved GPU memory, the host RSS, the forward/backward and optimizer seconds, images/s and MFU,
+and prints them beside the planner's predictions (a table, and JSON with --json).
+
+Then it fits the planner's constants to what it measured (fragmentation, CUDA context and NCCL,
+the host-offload factor, achieved MFU of the family, CPU Adam rate, host<->device bandwidth) and
+writes calibration.json; later plans of the same GPU profile use it (planner.calibration). What
+this machine cannot show (no GPU: memory and MFU) stays the default, and the output says so."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zerotrain import families
+from zerotrain.config.flags import add_plan_flags, config_from_args
+from zerotrain.config.sections import RunConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.planner import calibration
+from zerotrain.planner.memory import Layout
+from zerotrain.planner.search import Candidate, Plan, describe, evaluate
+
+if TYPE_CHECKING:  # torch loads only when calibrate runs: `zerotrain plan` imports this module's parser
+    import torch
+
+    from zerotrain.distributed import Topology
+
+GIB = 2**30
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("calibrate", help="measure the planner's predictions on this node (random weights, "
+                                              "a few real steps) and fit its constants")
+    add_plan_flags(p)
+    p.add_argument("--blocks", type=int, help="keep this many transformer blocks (full width and resolution)")
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per configuration (after one warm-up)")
+    p.add_argument("--grid", choices=["star", "full", "chosen"], default="star",
+                   help="star: the plan's choice and one change at a time; full: every combination; chosen: "
+                        "the plan's choice only")
+    p.add_argument("--out", type=Path, help="calibration.json to write (default: the GPU profile's calibration in "
+                                            "~/.cache/zerotrain/calibration/ on a GPU, ./calibration.json on CPU)")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+# --- host memory ------------------------------------------------------------------------------------
+
+
+def host_rss() -> tuple[int, int] | None:
+    """This process's resident set and its peak since the last reset_peak_rss, from /proc (Linux)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def release_host_memory() -> None:
+    """Give freed heap back to the OS (glibc keeps it otherwise), so each configuration's RSS starts
+    from the same floor, and reset the RSS peak (clear_refs 5)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+# --- one configuration ------------------------------------------------------------------------------
+
+
+def build_model(spec, run: RunConfig, checkpointing: bool) -> torch.nn.Module:
+    """The denoiser from its config with random weights, made in bf16 (no fp32 copy on the host),
+    with the run's training mode applied as train.py applies it."""
+    import torch
+
+    from zerotrain.engine import apply_mode
+
+    torch.manual_seed(run.training.seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = spec.denoiser_class().from_config(spec.config)
+    finally:
+        torch.set_default_dtype(default)
+    apply_mode(model, spec, run, checkpointing)  # LoRA adapters come in fp32; DeepSpeed casts them, as in training
+    return model
+
+
+class PhasePeaks:
+    """Peak allocated and reserved accelerator memory of each phase (each phase's own peak)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.allocated: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+
+    def start(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end(self, phase: str) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.allocated[phase] = max(self.allocated.get(phase, 0), torch.cuda.max_memory_allocated(self.device))
+            self.reserved[phase] = max(self.reserved.get(phase, 0), torch.cuda.max_memory_reserved(self.device))
+
+
+def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: torch.device, steps: int) -> dict:
+    """Build the engine of one layout and run 1 + `steps` optimizer steps of random inputs; what
+    was measured on this rank."""
+    import torch
+
+    from zerotrain.engine import build_engine
+    from zerotrain.planner.deepspeed_json import deepspeed_config
+
+    family = families.of(spec)
+    config = deepspeed_config(layout, run, topo.world_size)
+    peaks = PhasePeaks(device)
+    release_host_memory()
+    floor = host_rss()
+    peaks.start()
+    model = build_model(spec, run, layout.gradient_checkpointing)
+    engine = build_engine(model, config, run, device)
+    peaks.end("init")
+    side, tokens = run.data.resolution, run.data.text_tokens or family.default_text_tokens
+    generator_seed = run.training.seed + topo.rank
+    times: dict[str, list[float]] = {"forward_backward": [], "optimizer": []}
+    try:
+        for step in range(steps + 1):
+            for _ in range(layout.accumulation):  # 1: calibrate measures one micro-batch per step
+                torch.manual_seed(generator_seed + step)
+                inputs = family.example_inputs(spec, layout.micro_batch, side, side, tokens, device, torch.bfloat16)
+                peaks.start()
+                began = time.perf_counter()
+                pred = family.prediction(engine(**inputs, return_dict=False)[0])
+                loss = torch.nn.functional.mse_loss(pred.float(), torch.randn_like(pred, dtype=torch.float32))
+                engine.backward(loss)
+                peaks.end("forward_backward")
+                fb = time.perf_counter() - began
+                peaks.start()
+                began = time.perf_counter()
+                engine.step()
+                peaks.end("optimizer")
+                if step:  # the first step warms up (kernels, CPU Adam's first allocation of its moments)
+                    times["forward_backward"].append(fb)
+                    times["optimizer"].append(time.perf_counter() - began)
+                del inputs, pred, loss
+        rss = host_rss()
+    finally:
+        engine.destroy()
+        del engine, model
+        release_host_memory()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {
+        "allocated": peaks.allocated, "reserved": peaks.reserved,
+        "host_rss_peak": None if rss is None or floor is None else rss[1] - floor[0],
+        "forward_backward_s": statistics.median(times["forward_backward"]),
+        "optimizer_s": statistics.median(times["optimizer"]),
+    }
+
+
+# --- the grid ---------------------------------------------------------------------------------------
+
+
+def grid(result: Plan, kind: str) -> list[Layout]:
+    """The layouts to measure, each as one micro-batch per optimizer step: the plan's choice and its
+    neighbours one change away (star: another stage, checkpointing, micro-batch or offload), every
+    candidate (full), or the choice alone. When nothing fits, the candidate with the smallest GPU
+    need takes the choice's place."""
+    center = result.chosen or min(result.candidates, key=lambda c: c.memory.device_total)
+    a = dataclasses.replace(center.layout, accumulation=1)
+    every = list(dict.fromkeys(dataclasses.replace(c.layout, accumulation=1) for c in result.candidates))
+    if kind == "chosen":
+        return [a]
+    if kind == "full":
+        return [a] + [layout for layout in every if layout != a]
+
+    def changes(b: Layout) -> int:
+        return sum((b.stage != a.stage, b.gradient_checkpointing != a.gradient_checkpointing,
+                    b.micro_batch != a.micro_batch,
+                    (b.offload_optimizer, b.offload_param) != (a.offload_optimizer, a.offload_param)))
+
+    star = [a] + [layout for layout in every if changes(layout) == 1]
+    # Offload needs ZeRO 1+ (parameters: ZeRO-3): the offload neighbours keep the rest and take the
+    # nearest stage that has them.
+    for offload in {(b.offload_optimizer, b.offload_param) for b in every} - {(a.offload_optimizer, a.offload_param)}:
+        alike = [b for b in every if (b.offload_optimizer, b.offload_param) == offload
+                 and (b.gradient_checkpointing, b.micro_batch) == (a.gradient_checkpointing, a.micro_batch)]
+        if alike:
+            star.append(min(alike, key=lambda b: abs(b.stage - a.stage)))
+    return list(dict.fromkeys(star))
+
+
+def measurable(candidate: Candidate, topo: Topology, device: torch.device) -> str | None:
+    """Why a candidate is not run, or None. The host is never pushed past its budget. With several
+    ranks, a configuration predicted not to fit the GPU is left out: an out-of-memory error on one
+    rank would leave the others waiting in a collective (measure it with one process)."""
+    if candidate.rejected and "host RAM" in candidate.rejected:
+        return f"skipped: {candidate.rejected}"
+    if candidate.rejected and "NVMe" in candidate.rejected:
+        return f"skipped: {candidate.rejected}"
+    if not candidate.fits and device.type == "cuda" and topo.world_size > 1:
+        return f"skipped: predicted not to fit ({candidate.rejected}); run with one process to try it"
+    return None
+
+
+# --- the fit ----------------------------------------------------------------------------------------
+
+
+def fit(rows: list[dict], run: RunConfig, hw, facts, family: str, bandwidth: float | None,
+        context: dict[str, int] | None, on_gpu: bool) -> tuple[dict[str, Any], list[str]]:
+    """The planner's constants that the measurements determine, and the names of those they do not."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    constants: dict[str, Any] = {}
+    if on_gpu and ok:
+        ratios = [r["measured"]["reserved"] / r["measured"]["allocated"] - 1 for r in ok if r["measured"]["allocated"]]
+        if ratios:
+            constants["fragmentation"] = round(max(0.0, statistics.median(ratios)), 4)
+        mfu = [r["flops_per_step"] / (hw.peak_bf16_flops * r["measured"]["forward_backward_s"]) for r in ok]
+        constants["assumed_mfu"] = {family: round(statistics.median(mfu), 4)}
+    if context:
+        constants["cuda_context_bytes"] = context["cuda_context_bytes"]
+        constants["nccl_workspace_bytes"] = context["nccl_workspace_bytes"]
+    if bandwidth:
+        constants["host_to_device_bandwidth"] = bandwidth
+    offloaded = [r for r in ok if r["layout"]["offload_optimizer"] == "cpu"]
+    # CPU Adam: the node's ranks step their partitions at once (search.step_time's "cpu adam" term);
+    # the optimizer phase beyond the predicted host<->device transfers is its time. Parameters over
+    # seconds, summed over the offloaded layouts, so a noisy short step weighs little.
+    stepped = facts.trainable_params / hw.world_size * hw.gpus_per_node * len(offloaded)
+    seconds = sum(r["measured"]["optimizer_s"] - (r["predicted"]["time_terms"].get("offload transfers", 0.0)
+                                                   if on_gpu else 0.0) for r in offloaded)
+    if offloaded and seconds > 0:
+        constants["cpu_adam_params_per_second"] = round(stepped / seconds, -3)
+    factors = [r["measured"]["host_rss_peak"] / r["predicted"]["host_offload_per_rank"]
+               for r in offloaded if on_gpu and r["measured"]["host_rss_peak"] and r["predicted"]["host_offload_per_rank"]]
+    if factors:
+        constants["host_offload_factor"] = round(statistics.median(factors), 3)
+    every = [*calibration.PLANNER_CONSTANTS, "assumed_mfu", "host_to_device_bandwidth"]
+    return constants, [name for name in every if name not in constants]
+
+
+def cuda_overheads(device: torch.device, before_group: int | None) -> dict[str, int] | None:
+    """Memory outside the allocator: the CUDA context (measured before the process group) and NCCL
+    plus cuBLAS workspaces (what the group and the first steps added)."""
+    import torch
+
+    if device.type != "cuda" or before_group is None:
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - torch.cuda.memory_reserved(device)
+    return {"cuda_context_bytes": before_group, "nccl_workspace_bytes": max(0, outside - before_group)}
+
+
+def outside_allocator(device: torch.device) -> int | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    torch.zeros(1, device=device)  # creates the context
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def host_to_device_bandwidth(device: torch.device) -> float | None:
+    """Bytes/s of a pinned 256 MiB host-to-device copy, the best of five."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    host = torch.empty(128 * 2**20, dtype=torch.bfloat16, pin_memory=True)
+    target = torch.empty_like(host, device=device)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - began)
+    return round(host.numel() * host.element_size() / best, -6)
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+
+def reduced_spec(spec, blocks: int | None):
+    if not blocks:
+        return spec
+    if blocks < 1:
+        raise ZerotrainError(f"--blocks {blocks}: give at least 1 block")
+    config = families.of(spec).with_blocks(spec.config, blocks)
+    return dataclasses.replace(spec, config=config, name=f"{spec.name} ({blocks} blocks)")
+
+
+def prediction(candidate: Candidate, hw, on_gpu: bool) -> dict[str, Any]:
+    """What the planner predicts for one rank. Without a GPU the accelerator is the host itself, so
+    the RSS to compare with is the device's bytes plus the offloaded ones (host_rss)."""
+    memory = candidate.memory
+    offload = memory.host_terms.get("offload", 0) // hw.gpus_per_node
+    host = memory.host_per_node // hw.gpus_per_node
+    return {"allocated": memory.allocated, "reserved": memory.reserved, "device_total": memory.device_total,
+            "phases": memory.phases, "host_per_rank": host, "host_offload_per_rank": offload,
+            "host_rss": host if on_gpu else memory.allocated + offload,
+            "step_seconds": candidate.step_seconds, "time_terms": candidate.time_terms}
+
+
+def size(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def main(args: argparse.Namespace) -> int:
+    """Every rank: join the job (one process: a job of one), measure, and leave the group."""
+    import deepspeed
+
+    from zerotrain.distributed import accelerator, shutdown, topology, use_device
+    from zerotrain.quiet import quiet_libraries
+    from zerotrain.train import allocator_settings, standalone_rendezvous
+
+    run = config_from_args(args)
+    topo = topology()
+    allocator_settings(run)
+    if topo.world_size == 1:
+        standalone_rendezvous()
+    device = use_device(topo)
+    before_group = outside_allocator(device)
+    with quiet_libraries(args.debug or run.logging.verbose, topo.rank):
+        deepspeed.init_distributed(dist_backend=accelerator()[1])
+        try:
+            return calibrate(args, run, topo, device, before_group)
+        finally:
+            shutdown(clean=True)
+
+
+def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: torch.device,
+              before_group: int | None) -> int:
+    """Plan, measure the grid, fit, write calibration.json and report (rank 0)."""
+    import torch
+
+    from zerotrain.distributed import barrier, gather_objects
+    from zerotrain.hardware import hardware_facts
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.measure import measure_model
+    from zerotrain.planner.search import plan
+
+    spec = reduced_spec(resolve_model(run.model), args.blocks)
+    family = families.of(spec).name
+    hw = hardware_facts(run.hardware)
+    per_node = topo.world_size // run.hardware.nodes or 1
+    hw = dataclasses.replace(hw, gpus_per_node=per_node, nodes=topo.world_size // per_node)
+    run = run.model_copy(update={"training": run.training.model_copy(update={
+        "global_batch_size": max(run.training.global_batch_size // topo.world_size, 1) * topo.world_size})})
+    facts = measure_model(spec, run) if topo.is_main else None
+    facts = gather_objects(facts)[0]
+    result = plan(facts, hw, run)
+    rows = []
+    for layout in grid(result, args.grid):
+        trial = run.model_copy(update={"training": run.training.model_copy(
+            update={"global_batch_size": layout.micro_batch * topo.world_size})})
+        candidate = evaluate(layout, facts, hw, trial)
+        row = {"config": describe(layout), "layout": dataclasses.asdict(layout), "predicted": prediction(candidate, hw, device.type == "cuda"),
+               "flops_per_step": facts.activations(layout.gradient_checkpointing).flops * layout.micro_batch,
+               "status": measurable(candidate, topo, device) or "ok"}
+        if row["status"] == "ok":
+            if topo.is_main:
+                print(f"calibrate: {row['config']} ...", file=sys.stderr, flush=True)
+            try:
+                measured = run_layout(layout, spec, trial, topo, device, args.steps)
+            except torch.OutOfMemoryError as err:
+                row["status"] = f"oom: {' '.join(str(err).split())[:120]}"
+                measured = None
+            ranks = gather_objects(measured)
+            row["measured"] = merge(ranks) if all(ranks) else None
+            if row["measured"] is None and row["status"] == "ok":
+                row["status"] = "oom on another rank"
+        rows.append(row)
+        barrier()
+    bandwidth = host_to_device_bandwidth(device)
+    context = cuda_overheads(device, before_group)
+    if not topo.is_main:
+        return 0
+    for row in rows:
+        if row["status"] == "ok":
+            m = row["measured"]
+            m["images_per_second"] = row["layout"]["micro_batch"] * topo.world_size / (
+                m["forward_backward_s"] + m["optimizer_s"])
+            m["mfu"] = (row["flops_per_step"] / (hw.peak_bf16_flops * (m["forward_backward_s"] + m["optimizer_s"]))
+                        if device.type == "cuda" else None)
+    constants, defaults = fit(rows, run, hw, facts, family, bandwidth, context, device.type == "cuda")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
+    out = args.out or (calibration.default_path(hw.gpu_name) if device.type == "cuda" else Path("calibration.json"))
+    document = {"version": calibration.VERSION, "device": device_name, "profile": hw.gpu_name,
+                "date": date.today().isoformat(), "model": spec.name, "resolution": run.data.resolution,
+                "mode": run.training.mode.value, "world_size": topo.world_size, "constants": constants,
+                "defaults": defaults, "measurements": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(document, indent=1, default=str))
+    tmp.replace(out)
+    if args.json:
+        print(json.dumps(document, indent=1, default=str))
+    else:
+        report(document, out)
+    return 0
+
+
+def merge(ranks: list[dict]) -> dict:
+    """One row from every rank's measurement: the largest memory of any rank, the slowest time."""
+    phases = ranks[0]["allocated"].keys()
+    rss = [r["host_rss_peak"] for r in ranks if r["host_rss_peak"] is not None]
+    return {
+        "allocated": max((max(r["allocated"].values()) for r in ranks), default=0) if phases else 0,
+        "reserved": max((max(r["reserved"].values()) for r in ranks), default=0) if phases else 0,
+        "phases": {p: max(r["allocated"][p] for r in ranks) for p in phases},
+        "host_rss_peak": max(rss) if rss else None,
+        "forward_backward_s": max(r["forward_backward_s"] for r in ranks),
+        "optimizer_s": max(r["optimizer_s"] for r in ranks),
+    }
+
+
+def report(document: dict, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=170)
+    table = Table(title=f"zerotrain calibrate: {document['model']} at {document['resolution']}px, "
+                        f"{document['mode']}, {document['world_size']} rank(s) on {document['device']}")
+    for column in ("configuration", "status", "GPU alloc pred / meas", "reserved pred / meas", "host RSS pred / meas",
+                   "fwd+bwd s", "opt s", "step s pred / meas", "img/s", "MFU"):
+        table.add_column(column, overflow="fold")
+    for row in document["measurements"]:
+        p, m = row["predicted"], row.get("measured")
+        if not m:
+            table.add_row(row["config"], row["status"], size(p["allocated"]), size(p["reserved"]), size(p["host_rss"]),
+                          "", "", f"{p['step_seconds']:.3g}", "", "")
+            continue
+        gpu = bool(m["allocated"])
+        table.add_row(
+            row["config"], row["status"],
+            f"{size(p['allocated'])} / {size(m['allocated']) if gpu else 'n/a'}",
+            f"{size(p['reserved'])} / {size(m['reserved']) if gpu else 'n/a'}",
+            f"{size(p['host_rss'])} / {size(m['host_rss_peak'])}",
+            f"{m['forward_backward_s']:.3g}", f"{m['optimizer_s']:.3g}",
+            f"{p['step_seconds']:.3g} / {m['forward_backward_s'] + m['optimizer_s']:.3g}",
+            f"{m['images_per_second']:.3g}", f"{m['mfu']:.1%}" if m["mfu"] is not None else "n/a")
+    console.print(table)
+    if document["device"].startswith("cpu"):
+        console.print("No GPU: the CPU is the accelerator, so GPU memory and MFU are not measured, and the host "
+                      "RSS to expect is the planner's device bytes plus its offloaded host bytes.")
+    fitted = ", ".join(f"{k}={v}" for k, v in document["constants"].items()) or "nothing"
+    console.print(f"Fitted: {fitted}")
+    console.print(f"Defaults kept (not measurable in this run): {', '.join(document['defaults']) or 'none'}")
+    console.print(f"Written to {out}; plans use it with planner.calibration: {out}")
