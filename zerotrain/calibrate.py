@@ -1,7 +1,7 @@
 """`zerotrain calibrate`: the planner measured against the machine it runs on, in one command.
 
     zerotrain calibrate --model flux-dev --blocks 4 --mode lora          # one process, this node's GPU
-    deepspeed --num_gpus 2 -m zerotrain.cli calibrate --config run.yaml  # two ranks (or torchrun ... -m zerotrain.cli)
+    deepspeed --num_gpus 2 --module zerotrain.cli calibrate --config run.yaml  # two ranks (or torchrun ... -m)
     DS_ACCELERATOR=cpu zerotrain calibrate --config examples/tiny-cpu.yaml   # host RAM and time only
 
 It takes the flags and config of `zerotrain plan`, builds the denoiser from its config with random
@@ -182,6 +182,7 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     return {
         "allocated": peaks.allocated, "reserved": peaks.reserved,
         "host_rss_peak": None if rss is None or floor is None else rss[1] - floor[0],
+        "host_rss_floor": None if floor is None else floor[0],  # what earlier configurations left behind
         "forward_backward_s": statistics.median(times["forward_backward"]),
         "optimizer_s": statistics.median(times["optimizer"]),
     }
@@ -389,6 +390,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
         candidate = evaluate(layout, facts, hw, trial)
         row = {"config": describe(layout), "layout": dataclasses.asdict(layout), "predicted": prediction(candidate, hw, device.type == "cuda"),
                "flops_per_step": facts.activations(layout.gradient_checkpointing).flops * layout.micro_batch,
+               "fits": candidate.fits, "rejected": candidate.rejected,
                "status": measurable(candidate, topo, device) or "ok"}
         if row["status"] == "ok":
             if topo.is_main:
@@ -442,6 +444,7 @@ def merge(ranks: list[dict]) -> dict:
         "reserved": max((max(r["reserved"].values()) for r in ranks), default=0) if phases else 0,
         "phases": {p: max(r["allocated"][p] for r in ranks) for p in phases},
         "host_rss_peak": max(rss) if rss else None,
+        "host_rss_floor": max((r["host_rss_floor"] or 0) for r in ranks) or None,
         "forward_backward_s": max(r["forward_backward_s"] for r in ranks),
         "optimizer_s": max(r["optimizer_s"] for r in ranks),
     }

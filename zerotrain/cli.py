@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--write-config", type=Path, metavar="PATH", help="write the chosen DeepSpeed JSON here")
-    p.add_argument("--no-cache", action="store_true", help="measure the model again instead of using cached facts")
+    p.add_argument("--no-cache", action="store_true", help="measure the model again instead of using cached or shipped facts")
     p.add_argument("--all", action="store_true", help="list every candidate, not the best per layout")
     c = commands.add_parser("cache", help="decode, bucket and encode the dataset into the latent/text cache; "
                                       "launch with torchrun or srun to share the work across processes")

@@ -1,16 +1,16 @@
 """Surviving what stops long runs: preemption signals, non-finite steps, out-of-memory errors.
 
 - SIGTERM and SIGUSR1 (Slurm preemption with --signal, a scheduler's or the user's stop) only set
-  a flag. The loop checks it, with every rank agreeing, at each micro-batch: the current step is
-  abandoned, the random generators are put back as they were at the start of that step, every
-  rank writes a checkpoint of the last completed step, and the run exits 0, saying how to resume.
-  A watchdog started by the signal ends the process if all that takes longer than
-  faults.grace_seconds, leaving the previous complete checkpoint as the latest.
-- A non-finite loss on any rank is agreed on before the backward; every rank then back-propagates
-  NaN so that DeepSpeed's bf16 overflow check (check_grad_overflow, on by default and required by
-  zerotrain) skips the optimizer step on all ranks together. Non-finite gradients with a finite
-  loss are caught by the same check. The loss is reported as it was, never replaced; skipped steps
-  are counted, and faults.max_bad_steps consecutive ones stop the run with a checkpoint.
+  a flag. The loop reads it, with every rank agreeing, at the end of each optimizer step (in the
+  step's one collective, with the mean loss): the step in progress is finished, every rank writes
+  a checkpoint of it, and the run exits 0, saying how to resume. A watchdog started by the signal
+  ends the process if all that takes longer than faults.grace_seconds, leaving the previous
+  complete checkpoint as the latest.
+- A non-finite loss on any rank makes the reduced gradients of every rank non-finite, so
+  DeepSpeed's bf16 overflow check (check_grad_overflow, on by default and required by zerotrain)
+  skips the optimizer step on all ranks together; non-finite gradients with a finite loss are
+  caught by the same check. The loss is reported as it was, never replaced; skipped steps are
+  counted, and faults.max_bad_steps consecutive ones stop the run with a checkpoint.
 - A CUDA out-of-memory error is turned into one message: the planner's prediction, what was
   measured, and the next configuration the planner would choose with less memory.
 """

@@ -30,9 +30,7 @@ from zerotrain.checkpoint import (
     load,
     make_universal,
     needs_universal,
-    restore_rng,
     resume_stage,
-    rng_state,
     save,
     usable,
 )
@@ -41,7 +39,6 @@ from zerotrain.distributed import (
     Heartbeat,
     Topology,
     accelerator,
-    agree,
     barrier,
     local_device,
     shutdown,
@@ -365,11 +362,9 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
         if step == 0:
             validate(0)
         while step < run.training.max_steps:
-            at_start = rng_state(generators)  # to checkpoint this boundary if the step is abandoned
             lr = engine.get_lr()[0]  # this step's learning rate (engine.step() moves the schedule on)
             times = StepTimes(device)
             losses = []
-            stopping = False
             for micro_index in range(accumulation):
                 batch = next(batches, None)
                 if batch is None:  # an epoch ends exactly at a step boundary (see data/sampler.py)
@@ -387,36 +382,26 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
                                                                 else inputs.weights.to(device)))
                 if step + 1 in faults.inject_nan_at and topo.is_main and micro_index == 0:
                     loss = loss * float("nan")
-                bad_loss, stop_requested = agree([float(not torch.isfinite(loss).item()), float(bool(stop.received))])
-                if stop_requested:
-                    stopping = True
-                    break
-                if bad_loss:  # every rank's gradients become NaN: DeepSpeed skips the step on all of them
-                    loss = loss * float("nan")
+                # A non-finite loss on any rank makes the reduced gradients of every rank non-finite, and
+                # DeepSpeed skips the step on all of them (tests/distributed/test_bad_gradients.py): no
+                # collective of zerotrain's own is needed per micro-batch.
                 engine.backward(loss)
                 times.lap("forward_backward")
                 engine.step()  # the optimizer step at the accumulation boundary
                 times.lap("optimizer")
                 losses.append(loss.detach().float())
-            if stopping:
-                restore_rng(at_start, generators)
-                saved = checkpoint_now(step) if step > 0 else None
-                if topo.is_main:
-                    where = f"checkpoint {saved}" if saved else "no checkpoint (no step was completed)"
-                    monitor.log(f"stopped by {stop.received or 'a signal on another rank'} during step {step + 1}: "
-                                f"{where}; resume with the same command (training.resume: auto)")
-                return False
             sampler.advance()
             step += 1
-            mean_loss = torch.stack(losses).mean()
+            # One collective per step: the summed mean loss of the ranks, and whether any rank was
+            # asked to stop (a signal reaches ranks at different moments; all must stop after the same step).
+            totals = torch.stack([torch.stack(losses).mean(), torch.tensor(float(bool(stop.received)), device=device)])
             if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(mean_loss)
-                mean_loss /= topo.world_size
+                torch.distributed.all_reduce(totals)
+            mean_loss, stopping = (totals[0] / topo.world_size).item(), totals[1].item() > 0
             skipped = not engine.was_step_applied()
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
-            monitor.step(step, sampler.state_dict()["epoch"], mean_loss.item(), lr,
-                         grad_norm, times, skipped)
+            monitor.step(step, sampler.state_dict()["epoch"], mean_loss, lr, grad_norm, times, skipped)
             monitor.memory_check(step)
             if ema is not None and not skipped:
                 ema.update(step)
@@ -427,8 +412,15 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
                     f"{bad_in_a_row} consecutive steps (up to step {step}) had a non-finite loss or gradient norm "
                     f"and were skipped; stopped with {saved}, which holds the last good weights. Lower "
                     "optimizer.lr or check the data, then resume (training.resume: auto)")
+            saved = None
             if step % run.training.checkpoint_every == 0 or step == run.training.max_steps:
-                checkpoint_now(step)
+                saved = checkpoint_now(step)
+            if stopping and step < run.training.max_steps:
+                saved = saved or checkpoint_now(step)
+                if topo.is_main:
+                    monitor.log(f"stopped by {stop.received or 'a signal on another rank'} during step {step + 1}: "
+                                f"checkpoint {saved}; resume with the same command (training.resume: auto)")
+                return False
             validate(step)
     except torch.OutOfMemoryError as err:
         measured = measured_peaks(device)

@@ -37,6 +37,7 @@ from zerotrain.models.catalog import ModelSpec, resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import make_objective, sample_flow_timesteps
+from zerotrain.planner.measure import measure_model
 from zerotrain.planner.trace import apply_lora, build_meta_model
 
 # sum(p.numel() for p in model.parameters()) of ChromaTransformer2DModel (diffusers 0.42) built from
@@ -118,12 +119,13 @@ def test_plan_of_the_full_size_model(tmp_path, monkeypatch, capsys, meta_chroma)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["plan", "--model", "chroma", "--resolution", "1024", "--gpus", "8xH100-80GB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"]
-    [facts_file] = (tmp_path / "zerotrain" / "facts").glob("*.json")
-    facts = json.loads(facts_file.read_text())
-    assert (facts["family"], facts["image_tokens"], facts["text_tokens"]) == ("chroma", 4096, 512)
-    assert facts["total_params"] == facts["trainable_params"] == PARAMETERS["chroma"]
+    run = RunConfig(model={"name_or_path": "chroma"}, data={"resolution": 1024})
+    facts = measure_model(resolve_model(run.model), run)  # the plan's: shipped with zerotrain
+    assert facts.cached
+    assert (facts.family, facts.image_tokens, facts.text_tokens) == ("chroma", 4096, 512)
+    assert facts.total_params == facts.trainable_params == PARAMETERS["chroma"]
     approximator = sum(p.numel() for p in meta_chroma.distilled_guidance_layer.parameters())
-    assert facts["block_params"]["distilled_guidance_layer"] == approximator == 278_285_312
+    assert facts.block_params["distilled_guidance_layer"] == approximator == 278_285_312
 
 
 def test_a_bare_config_json_plans_lora_on_flux_targets(tmp_path, monkeypatch, capsys, spec):

@@ -136,7 +136,7 @@ def test_plan_cli_for_flux2_dev(tmp_path, monkeypatch, capsys):
     assert out["plan"]["model"] == "flux2-dev" and out["plan"]["chosen"]["fits"]
     run = RunConfig(model={"name_or_path": "flux2-dev"}, data={"resolution": 1024},
                     planner={"cache_dir": tmp_path / "zerotrain" / "facts"})
-    facts = measure_model(spec_of("flux2-dev"), run)  # what the plan measured
+    facts = measure_model(spec_of("flux2-dev"), run)  # the plan's: shipped with zerotrain
     assert facts.cached
     assert facts.image_tokens == 64 * 64  # 1024 px / 16 px per token
     assert facts.total_params == facts.trainable_params == PARAMETERS["flux2-dev"]

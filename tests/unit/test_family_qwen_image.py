@@ -126,15 +126,17 @@ def test_edit_variants_plan_but_do_not_train():
 
 def test_full_size_plan_measures_tokens_and_parameters(tmp_path, monkeypatch, capsys):
     from zerotrain.cli import main
-    from zerotrain.planner.facts import ModelFacts
+    from zerotrain.config import RunConfig
+    from zerotrain.planner.measure import measure_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["plan", "--model", "qwen-image", "--resolution", "1024", "--gpus", "8xH100-80GB", "--mode", "lora",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["chosen"]["fits"] is True
-    [cached] = (tmp_path / "zerotrain" / "facts").glob("*.json")
-    facts = ModelFacts.from_json(json.loads(cached.read_text()))
+    run = RunConfig(model={"name_or_path": "qwen-image"}, training={"mode": "lora"}, data={"resolution": 1024})
+    facts = measure_model(spec_of("qwen-image"), run)  # the plan's: shipped with zerotrain
+    assert facts.cached
     assert (facts.image_tokens, facts.text_tokens) == (4096, 512)  # (1024 / 16)^2; the pipeline's 512
     # LoRA on the 4 image-attention projections (3072 -> 3072) of each of the 60 blocks.
     lora = 60 * 4 * facts.lora_rank * (3072 + 3072)

@@ -144,7 +144,7 @@ def test_plans_at_1024_on_8_h100s_with_the_measured_facts(tmp_path, monkeypatch,
     assert main(["plan", "--model", "z-image", "--resolution", "1024", "--gpus", "8xH100-80GB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
     facts = measure_model(spec_of("z-image"), RunConfig(model={"name_or_path": "z-image"}, data={"resolution": 1024}))
-    assert facts.cached, "the plan's own measurement"
+    assert facts.cached, "the plan's: shipped with zerotrain"
     assert (facts.image_tokens, facts.text_tokens) == (4096, 512)  # (1024 / 16)^2; ZImagePipeline's 512
     assert facts.total_params == facts.trainable_params == PARAMETERS["z-image"]
 

@@ -168,3 +168,22 @@ def test_zero3_offload_pins_its_gradients_not_its_master_weights():
     assert not buffers["fp32 master"].pinned and buffers["fp32 grads"].pinned
     assert buffers["fp32 grads"].sizes == (4 * 10**9, 4 * 5 * 10**8)  # one per sub-group of the 1.5B partition
     assert buffers["bf16 grad partition"].sizes == (2 * 15 * 10**8,)
+
+
+@pytest.mark.parametrize(("given", "threshold", "expected"), [
+    (None, 64, "expandable_segments:True,pinned_max_round_threshold_mb:64"),
+    ("expandable_segments:True", 128, "expandable_segments:True,pinned_max_round_threshold_mb:128"),
+    ("pinned_max_round_threshold_mb:16", 64, "pinned_max_round_threshold_mb:16"),  # the user's own wins
+    ("expandable_segments:False", None, "expandable_segments:False"),  # null: the allocator is left alone
+])
+def test_training_sets_the_pinning_the_planner_assumes(monkeypatch, given, threshold, expected):
+    import os
+
+    from zerotrain.config import load_config
+    from zerotrain.train import allocator_settings
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", given or "")  # recorded, so the test leaves it as it was
+    if given is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    allocator_settings(load_config(None, [f"planner.pinned_exact_above_mib={'null' if threshold is None else threshold}"]))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected

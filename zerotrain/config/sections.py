@@ -357,7 +357,8 @@ class KillPoint(_Section):
 
 class FaultsConfig(_Section):
     grace_seconds: float = Field(120.0, gt=0)
-    """After SIGTERM or SIGUSR1, how long zerotrain may take to write a checkpoint and exit."""
+    """After SIGTERM or SIGUSR1, how long zerotrain may take to finish the step in progress, write a
+    checkpoint and exit."""
     max_bad_steps: int = Field(3, ge=1)
     """Consecutive steps with a NaN or inf loss or gradient norm after which the run stops (with a
     checkpoint); fewer are skipped and counted."""

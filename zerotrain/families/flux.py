@@ -3,6 +3,7 @@ output and T5's sequence, as FluxPipeline and diffusers' train_dreambooth_flux.p
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -89,9 +90,11 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     return FluxPipeline._pack_latents(latents, b, c, h, w)
 
 
+@functools.lru_cache(maxsize=64)
 def latent_image_ids(height: int, width: int, device: torch.device) -> torch.Tensor:
     """Flux's image position ids (h/2 * w/2, 3) float32 for (h, w) latents, by
-    FluxPipeline._prepare_latent_image_ids on the packed grid."""
+    FluxPipeline._prepare_latent_image_ids on the packed grid. Kept per bucket shape: every batch
+    asks for them (the transformer only reads them)."""
     import torch
     from diffusers import FluxPipeline
 

@@ -1,10 +1,12 @@
 """Model facts: what the planner knows about a model for one mode and resolution. Measuring them
-(zerotrain.planner.trace) needs torch, diffusers and peft; zerotrain.planner.measure caches them,
-and reading cached facts needs none of those, so a second plan is instant."""
+(zerotrain.planner.trace) needs torch, diffusers and peft; zerotrain.planner.measure caches them
+and ships those of the catalog models (pack_facts), and reading them needs none of those, so a
+plan of a catalog model, or a second plan of any model, is instant."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +89,34 @@ class ModelFacts:
         data["no_checkpointing"] = ActivationFacts(**data["no_checkpointing"])
         data["checkpointing"] = ActivationFacts(**data["checkpointing"])
         return cls(**data)
+
+
+def pack_facts(facts: dict[str, ModelFacts]) -> dict[str, Any]:
+    """Facts under their keys as compact JSON: each distinct pair of block_params and param_numels is
+    stored once (they depend on the mode and LoRA settings, not on the resolution), param_numels as
+    [numel, count] runs of equal sizes. trace_seconds is left out: it is the measuring machine's."""
+    parameters: list[dict[str, Any]] = []
+    packed = {}
+    for key, one in facts.items():
+        data = one.to_json()
+        del data["trace_seconds"]
+        shared = {"block_params": data.pop("block_params"),
+                  "param_numels": [[n, len(list(run))] for n, run in itertools.groupby(data.pop("param_numels"))]}
+        if shared not in parameters:
+            parameters.append(shared)
+        packed[key] = {**data, "parameters": parameters.index(shared)}
+    return {"parameters": parameters, "facts": packed}
+
+
+def unpack_facts(data: dict[str, Any], key: str) -> ModelFacts | None:
+    """The facts pack_facts stored under this key, if any."""
+    entry = data["facts"].get(key)
+    if entry is None:
+        return None
+    entry = dict(entry)
+    shared = data["parameters"][entry.pop("parameters")]
+    return ModelFacts.from_json({**entry, "block_params": dict(shared["block_params"]),
+                                 "param_numels": [n for n, count in shared["param_numels"] for _ in range(count)]})
 
 
 def lora_targets(spec: ModelSpec, run: RunConfig) -> list[str]:

@@ -1,21 +1,23 @@
-"""Model facts for a run: from the disk cache, or measured on the meta device (zerotrain.planner.trace,
-imported only when a measurement is needed) and cached."""
+"""Model facts for a run: from the user's disk cache, from the facts shipped for the catalog models
+(shipped_facts/, written by `python -m zerotrain.planner.shipped`), or measured on the meta device
+(zerotrain.planner.trace, imported only when a measurement is needed) and cached."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zerotrain import families
 from zerotrain.config.sections import Mode, RunConfig
-from zerotrain.planner.facts import ModelFacts, lora_targets
+from zerotrain.planner.facts import ModelFacts, lora_targets, unpack_facts
 
 if TYPE_CHECKING:
     from zerotrain.models.catalog import ModelSpec
@@ -23,21 +25,39 @@ if TYPE_CHECKING:
 # Bump when the measurement changes, so cached facts from older code are not reused.
 FACTS_VERSION = 5
 
+# Facts of the catalog models, one file per model (see zerotrain.planner.shipped).
+SHIPPED_DIR = Path(__file__).with_name("shipped_facts")
 
-def facts_key(spec: ModelSpec, run: RunConfig, text_tokens: int) -> str:
+
+def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str, Any]:
     """Everything the measurement depends on: the architecture (not its name or location),
-    resolution, conditioning length, mode, and the versions of the code that builds the model."""
+    resolution, conditioning length, mode, quantization and LoRA settings."""
     lora = run.training.mode is Mode.lora
-    payload = {
+    return {
         "version": FACTS_VERSION, "class": spec.class_name, "config": spec.config,
         "vae_scale_factor": spec.vae_scale_factor,
         "resolution": run.data.resolution, "text_tokens": text_tokens, "mode": run.training.mode.value,
         "quantize": run.training.quantize_base.value,
         "lora": run.training.lora.model_dump(mode="json") if lora else None,
         "targets": lora_targets(spec, run) if lora else None,
-        "versions": [version(name) for name in ("torch", "diffusers", "peft")],
     }
+
+
+def _digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def facts_key(spec: ModelSpec, run: RunConfig, text_tokens: int) -> str:
+    """The user cache's key: the measurement and the versions of the code that builds the model."""
+    return _digest({**_measurement(spec, run, text_tokens),
+                    "versions": [version(name) for name in ("torch", "diffusers", "peft")]})
+
+
+def shipped_key(spec: ModelSpec, run: RunConfig, text_tokens: int) -> str:
+    """The shipped facts' key: the measurement alone. They were measured once, with the versions
+    their file records, and serve whatever versions are installed (tests/unit/test_shipped_facts.py
+    traces a sample again with those)."""
+    return _digest(_measurement(spec, run, text_tokens))
 
 
 def default_cache_dir() -> Path:
@@ -45,9 +65,22 @@ def default_cache_dir() -> Path:
     return Path(root) / "zerotrain" / "facts"
 
 
+@functools.cache
+def _shipped_file(name: str) -> dict[str, Any] | None:
+    path = SHIPPED_DIR / f"{name}.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def shipped_facts(spec: ModelSpec, key: str) -> ModelFacts | None:
+    """The shipped facts of a catalog model for this key, if its file holds them."""
+    data = _shipped_file(spec.name) if spec.source == "catalog" else None
+    return unpack_facts(data, key) if data is not None else None
+
+
 def measure_model(spec: ModelSpec, run: RunConfig, cache: bool = True) -> ModelFacts:
-    """Facts for this run's model, mode and resolution: from the disk cache when present,
-    otherwise measured on the meta device and cached (written atomically)."""
+    """Facts for this run's model, mode and resolution: from the disk cache when present, else
+    shipped with zerotrain for a catalog model, otherwise measured on the meta device and cached
+    (written atomically). cache=False measures again."""
     families.check_resolution(spec, run.data.resolution)
     text_tokens = run.data.text_tokens or families.of(spec).default_text_tokens
     cache_dir = run.planner.cache_dir or default_cache_dir()
@@ -57,6 +90,9 @@ def measure_model(spec: ModelSpec, run: RunConfig, cache: bool = True) -> ModelF
             facts = ModelFacts.from_json(json.loads(cache_file.read_text()))
             # The key is the architecture, so the same facts serve a catalog name and a folder.
             return dataclasses.replace(facts, model=spec.name, cached=True)
+    shipped = shipped_facts(spec, shipped_key(spec, run, text_tokens)) if cache else None
+    if shipped is not None:
+        return dataclasses.replace(shipped, cached=True)
     from zerotrain.planner.trace import measure
 
     facts = measure(spec, run, text_tokens)

@@ -1,0 +1,83 @@
+"""The model facts shipped with zerotrain (zerotrain/planner/shipped_facts/), so that planning a
+catalog model needs no trace and imports no torch, even the first time.
+
+Every catalog model but the tiny test ones is measured at RESOLUTIONS, for a full fine-tune and for
+LoRA with the default settings over each quantization of the base; resolutions the model refuses
+are skipped. Regenerate them (half a minute to two minutes per model, on the meta device) with
+
+    python -m zerotrain.planner.shipped [MODEL ...]
+
+after changing the tracer (FACTS_VERSION), a family's conditioning or LoRA targets, or a catalog
+config; tests/unit/test_shipped_facts.py checks that nothing is missing and traces a sample again."""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib.metadata import version
+
+from zerotrain import families
+from zerotrain.config.sections import ModelConfig, Quantization, RunConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.models.catalog import catalog_names, resolve_model
+from zerotrain.planner.facts import ModelFacts, pack_facts
+from zerotrain.planner.measure import SHIPPED_DIR, measure_model, shipped_key
+
+# The usual training resolutions of the catalog models.
+RESOLUTIONS = (512, 768, 1024)
+# (mode, quantize_base): a full fine-tune, and LoRA over each base quantization.
+MODES = (("full", Quantization.none), *(("lora", q) for q in Quantization))
+# Catalog models made for tests, traced in well under a second: not shipped.
+TINY_PREFIX = "tiny-"
+
+
+def shipped_models() -> list[str]:
+    return [name for name in catalog_names() if not name.startswith(TINY_PREFIX)]
+
+
+def shipped_runs(name: str) -> list[RunConfig]:
+    """The runs whose facts are shipped for this catalog model."""
+    spec = resolve_model(ModelConfig(name_or_path=name))
+    runs = []
+    for resolution in RESOLUTIONS:
+        try:
+            families.check_resolution(spec, resolution)
+        except ZerotrainError:
+            continue
+        runs += [RunConfig(model={"name_or_path": name}, data={"resolution": resolution},
+                           training={"mode": mode, "quantize_base": quantize}) for mode, quantize in MODES]
+    return runs
+
+
+def regenerate(name: str) -> int:
+    """Trace every shipped run of one catalog model and write its file; returns the entry count."""
+    spec = resolve_model(ModelConfig(name_or_path=name))
+    facts: dict[str, ModelFacts] = {}
+    for run in shipped_runs(name):
+        measured = measure_model(spec, run, cache=False)
+        facts[shipped_key(spec, run, measured.text_tokens)] = measured
+        print(f"{name} {run.data.resolution} {run.training.mode.value} {run.training.quantize_base.value}: "
+              f"{measured.trace_seconds:.1f} s", file=sys.stderr, flush=True)
+    data = {"model": name, "measured_with": {lib: version(lib) for lib in ("torch", "diffusers", "peft")},
+            **pack_facts(facts)}
+    SHIPPED_DIR.mkdir(exist_ok=True)
+    (SHIPPED_DIR / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return len(facts)
+
+
+def main(names: list[str]) -> None:
+    """Regenerate the given models, or all of them and drop the files of models no longer shipped."""
+    shipped = shipped_models()
+    unknown = sorted(set(names) - set(shipped))
+    if unknown:
+        raise SystemExit(f"not shipped catalog models: {', '.join(unknown)}; use {', '.join(shipped)}")
+    if not names:
+        names = shipped
+        for stale in set(SHIPPED_DIR.glob("*.json")) - {SHIPPED_DIR / f"{name}.json" for name in names}:
+            stale.unlink()
+    for name in names:
+        print(f"{SHIPPED_DIR / name}.json: {regenerate(name)} facts", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
