@@ -1,33 +1,71 @@
 """The planner's per-rank byte formulas against what a real DeepSpeed engine holds.
 
-Two processes (gloo on 127.0.0.1, DS_ACCELERATOR=cpu) run engine_bytes_worker.py. For each of
-ZeRO 1/2/3 x offload_optimizer none/cpu x full/LoRA, a worker loads tiny-flux with
-from_pretrained (from a save_pretrained folder), adds peft LoRA for the LoRA cases, builds the
-engine from zerotrain's own DeepSpeed config (deepspeed_config), and runs one optimizer step of
-two micro-batches. It reads from DeepSpeed's attributes what each rank holds (see the worker
-for where and when each is measured):
+Two processes (gloo on 127.0.0.1, DS_ACCELERATOR=cpu) run engine_bytes_worker.py. For ZeRO-0
+(full and LoRA; offload needs ZeRO) and each of ZeRO 1/2/3 x offload_optimizer none/cpu x
+full/LoRA, a worker loads tiny-flux with from_pretrained (from a save_pretrained folder), adds peft
+LoRA for the LoRA cases, builds the engine from zerotrain's own DeepSpeed config
+(deepspeed_config), runs one optimizer step of two micro-batches and saves a checkpoint as
+zerotrain does. It reads from DeepSpeed's attributes what each rank holds (see the worker for
+where and when each is measured):
 
-    bf16 params       ZeRO 1/2 bit16_groups_flat + frozen params; ZeRO-3 ds_tensor partitions
-                      (lp_param_buffer) + persistent params
-    fp32 master       single_partition_of_fp32_groups / fp32_partitioned_groups_flat
+    bf16 params       ZeRO-0 fp16_groups_flat + frozen params; ZeRO 1/2 bit16_groups_flat + frozen
+                      params; ZeRO-3 ds_tensor partitions (lp_param_buffer) + persistent params
+    fp32 master       fp32_groups_flat / single_partition_of_fp32_groups / fp32_partitioned_groups_flat
     optimizer states  exp_avg + exp_avg_sq in the basic optimizer's state
-    bf16 grads        param .grad / grads_in_partition (ZeRO 1/2), grad_partitions_flat_buffer
+    bf16 grads        param .grad (ZeRO 0/1), grads_in_partition (ZeRO-2), grad_partitions_flat_buffer
                       (ZeRO-3), after a backward that is not an accumulation boundary
-    fp32 grads        the fp32 gradient partition the basic optimizer steps on
+    fp32 grads        the fp32 gradient partition the basic optimizer steps on; ZeRO-0: the step's
+                      allocator peak (FP16_Optimizer's fp32 copies of the gradients and their flat)
 
 and the test compares each with the planner's term (memory.lp_params, master_weights,
 optimizer_states, lp_grads, fp32_grads) on Sizes built the planner's way (facts measured on the
-meta device, search.sizes_from) for 2 GPUs on one node.
+meta device, search.sizes_from) for 2 GPUs on one node. Without ZeRO, DeepSpeed 0.19.8 wraps
+FusedAdam in FP16_Optimizer running in bf16 for the config zerotrain writes, not BF16_Optimizer.
+
+The transient terms, compared per rank (test_buffers_and_transients_match_planner):
+- reduce buckets (memory.reduce_buckets): ZeRO-0's flat all-reduce bucket (the whole gradient
+  here: the tiny model is far below the engine's 5e8-element bucket), ZeRO 1/2's two ipg buffers
+  and ZeRO-3's one, allocated whole even for LoRA's fewer trainable parameters. Exact.
+- the all-gather after a ZeRO 1/2 step writes into the flat bf16 groups themselves
+  (all_gather_into_tensor): DeepSpeed allocates no allgather bucket, and the planner has none.
+- ZeRO-3's gathered parameters (memory.gathered_params), sampled before and after every module's
+  forward and at every gradient: more than one layer and the prefetch (the planner's assumption
+  before), since parameters reused within stage3_max_reuse_distance stay gathered, and within the
+  planner's bound (reuse distance + two layers + prefetch).
+- initialize's allocator peak above what it leaves (memory.init_transient), ZeRO 0-2 without
+  offload: ZeRO-0's zero fp32 gradients for its first step, ZeRO 1/2's zero fp32 gradient
+  partition (with two ranks the other branch, the flat copy beside the originals less the master,
+  is 0).
+- save_checkpoint's allocator peak (memory.save_gather): nothing at ZeRO 0-2; ZeRO-3 all-gathers
+  its persistent parameters again.
+These agree to TRANSIENT_SLACK (DeepSpeed's small bookkeeping tensors).
+
+What the CPU engine cannot show, so is not asserted:
+- The init transient of ZeRO-3 and of an offloaded optimizer. On a GPU machine the model zerotrain
+  loads whole sits on the host while ZeRO-3 copies each partition to the GPU, and the offloaded
+  master, moments and pinned buffers are host memory; on the CPU accelerator all of it is one
+  allocator, so initialize's peak mixes host and device (measured 1.5-135 KB against the planner's
+  GPU terms of 0-48 KB at ZeRO-3, 0 against 11-157 KB for ZeRO 1/2 offloaded).
+- ZeRO-3's unreduced gradient (memory.unreduced_gradient): a layer's full bf16 gradient before it
+  is copied into the bucket is an autograd output like the activation gradients around it, in the
+  same allocator; no attribute holds it.
+- NCCL: the in-place all_gather_into_tensor and the reduce-scatters allocate nothing in NCCL;
+  under gloo, ProcessGroupGloo stages through temporaries of its own, so allocator peaks around
+  collectives are gloo's. Only where DeepSpeed writes is checked.
+- The engine's 5e8-element cap of ZeRO-0's bucket, which would need a model of more than 5e8
+  trainable parameters.
 
 Offload. On the CPU accelerator the "GPU" and the host are the same memory, so each buffer is
 placed where DeepSpeed puts it on a GPU machine: with offload_optimizer=cpu, the fp32 master,
 the moments and the fp32 gradients (and ZeRO-3's pinned grad_partitions_flat_buffer) are host
 buffers. The planner's GPU terms for them are then 0, and each is compared with the planner's
-host buffer of that name (memory.offload_buffers), the unpadded bytes of one rank. Offload uses DeepSpeedCPUAdam, whose C++ op JIT-compiles on first
-use (about 2.5 min on the 2-core CI machine, then cached in ~/.cache/torch_extensions); where it
-cannot build, the offload cases are skipped with the compiler's message.
+host buffer of that name (memory.offload_buffers), the unpadded bytes of one rank. Offload uses
+DeepSpeedCPUAdam, whose C++ op JIT-compiles on first use (about 2.5 min on the 2-core CI machine,
+then cached in ~/.cache/torch_extensions); where it cannot build, the offload cases are skipped
+with the compiler's message.
 
 Tolerance ("up to padding"), in elements of the term's dtype:
+- ZeRO-0's FP16_Optimizer flattens without padding: none.
 - ZeRO 1/2 pad each flat group to a multiple of 2 x world (nccl_start_alignment_factor x
   world): 2 x world per group. ZeRO-2's gradient partition also holds the whole gradient of a
   parameter that straddles the partition's edges: plus 2 x the largest trainable parameter.
@@ -53,7 +91,9 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
-CASES = [(stage, offload, mode) for stage in (1, 2, 3) for offload in ("none", "cpu") for mode in ("full", "lora")]
+# Offload does not exist without ZeRO: stage 0 runs without it.
+CASES = [(0, "none", mode) for mode in ("full", "lora")] + \
+    [(stage, offload, mode) for stage in (1, 2, 3) for offload in ("none", "cpu") for mode in ("full", "lora")]
 WORKER = Path(__file__).with_name("engine_bytes_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 # First use JIT-compiles DeepSpeed's CPU ops (shm comm, fused Adam, CPU Adam): minutes once.
@@ -77,12 +117,16 @@ def run_config(cache_dir: Path, mode: str = "lora"):
         "data": {"resolution": 64, "text_tokens": 8},
         "hardware": {"gpus": f"{WORLD}xH100-80GB"},
         "planner": {
-            # Small buckets for a 79k-parameter model, so buffers do not dominate.
-            "reduce_bucket_size": 5000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
+            # Small buckets for a 79k-parameter model, so buffers do not dominate; the reduction
+            # bucket is larger than LoRA's 5.4k trainable parameters (allocated whole all the same).
+            "reduce_bucket_size": 6000, "allgather_bucket_size": 5000, "stage3_prefetch_bucket_size": 5000,
             # Some parameters (biases, norms, LoRA A/B) persist under ZeRO-3, most are partitioned.
             "stage3_param_persistence_threshold": 200,
             # Below the full model's partition (39k), above LoRA's: exercises both sides of the min.
             "sub_group_size": 12000,
+            # ZeRO-3 keeps parameters reused within this many elements gathered (zerotrain writes it
+            # as stage3_max_reuse_distance too): less than the 77k partitioned, so the bound binds.
+            "stage3_max_live_parameters": 30000,
             "cache_dir": str(cache_dir),
         },
     })
@@ -177,6 +221,8 @@ def layout_for(stage: int, offload: str, run):
 
 def tolerance(term: str, stage: int, m: dict) -> int:
     """Bytes by which DeepSpeed's padding may exceed or fall short of the planner's term."""
+    if stage == 0:  # FP16_Optimizer flattens without padding
+        return 0
     if stage < 3:
         elements = 2 * WORLD * m["param_groups"]
         if term == "bf16 grads" and stage == 2:
@@ -250,4 +296,41 @@ def test_offloaded_bytes_match_planner_host_buffers(engine_bytes, planner, stage
             if abs(value - predicted[name]) > slack:
                 errors.append(f"rank {rank} {name}: engine holds {value} B, planner predicts {predicted[name]} B "
                               f"(padding tolerance {slack} B)")
+    assert not errors, "\n".join(errors)
+
+
+# DeepSpeed's own bookkeeping tensors in the measured windows (80 B in a save at ZeRO 0-2, up to
+# 800 B at ZeRO-3) and ZeRO-3's partition padding (world - 1 elements per parameter).
+TRANSIENT_SLACK = 1024
+
+
+@pytest.mark.parametrize(("stage", "offload", "mode"), CASES, ids=[case_id(*c) for c in CASES])
+def test_buffers_and_transients_match_planner(engine_bytes, planner, stage, offload, mode):
+    """The reduction buckets, the all-gather after a ZeRO 1/2 step, ZeRO-3's gathered parameters,
+    initialize's transient and the checkpoint save's, per rank, against the planner's terms."""
+    from zerotrain.planner import memory
+
+    facts, s, b, run = planner[mode]
+    layout = layout_for(stage, offload, run)
+    errors = []
+    for rank, m in enumerate(measurements(engine_bytes, stage, offload, mode)):
+        t = m["transients"]
+        checks = {"reduce buckets": (t["reduce buckets"], memory.reduce_buckets(layout, s, b)),
+                  "save": (t["save peak"], memory.save_gather(layout, s))}
+        if offload == "none" and stage < 3:  # see the module docstring for ZeRO-3 and offload
+            checks["init"] = (t["init peak"] - t["init end"], memory.init_transient(layout, s, b))
+        errors += [f"rank {rank} {name}: engine {value} B, planner {predicted} B"
+                   for name, (value, predicted) in checks.items() if abs(value - predicted) > TRANSIENT_SLACK]
+        if stage in (1, 2):
+            # The updated partitions are gathered into the flat bf16 groups themselves: no bucket.
+            assert t["allgather into flat groups"] and all(t["allgather into flat groups"]), t
+            assert t["allgather elsewhere"] == 0, t
+        if stage == 3:
+            # Parameters stay gathered for reuse well beyond one layer and the prefetch (what the
+            # planner assumed before), and within the planner's bound.
+            one_layer = memory.LP * (facts.largest_layer_params + b.stage3_prefetch_bucket_size)
+            predicted = memory.gathered_params(layout, s, b)
+            if not one_layer < t["gathered params"] <= predicted:
+                errors.append(f"rank {rank} gathered params: engine {t['gathered params']} B, planner {predicted} B "
+                              f"(one layer and the prefetch: {one_layer} B)")
     assert not errors, "\n".join(errors)

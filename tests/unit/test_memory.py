@@ -12,9 +12,10 @@ from zerotrain.planner.memory import Buffers, Layout, Sizes
 P = 11_901_408_320  # flux-dev transformer
 LARGEST = 56_641_536  # its largest module (DeepSpeed's model_to_params definition)
 
-# No buffers: DeepSpeed's estimators count model states only.
-NO_BUFFERS = Buffers(reduce_bucket_size=0, allgather_bucket_size=0, overlap_comm=False,
-                     stage3_prefetch_bucket_size=0, sub_group_size=10**15)
+# No buffers: DeepSpeed's estimators count model states only (and ZeRO-3 keeps no parameter gathered
+# for reuse).
+NO_BUFFERS = Buffers(reduce_bucket_size=0, overlap_comm=False, stage3_prefetch_bucket_size=0,
+                     stage3_max_live_parameters=0, sub_group_size=10**15)
 # DeepSpeed's estimators multiply the host terms by additional_buffer_factor=1.5 for pinning; ours
 # rounds each pinned buffer as torch does (tested below), so the comparison is before either.
 DS_HOST_FACTOR = 1.5
@@ -35,7 +36,7 @@ def sizes(world: int, gpus_per_node: int | None = None) -> Sizes:
 def model_states(layout: Layout, s: Sizes) -> int:
     """Per-GPU bytes at the optimizer step with no activations: the estimators' quantity."""
     return memory.estimate(layout, s, NO_BUFFERS, activation_peak=0, input_bytes=0).phases["optimizer step"] + \
-        memory.gathered_params(layout, s, NO_BUFFERS)
+        memory.gathered_params(layout, s, NO_BUFFERS) + memory.unreduced_gradient(layout, s)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8, 64])

@@ -279,15 +279,19 @@ class PlannerConfig(_Section):
     up to a power of two, as torch's caching host allocator does for every pinned buffer by
     default (null: plan for that default, and leave the allocator setting alone)."""
     reduce_bucket_size: int = Field(200_000_000, ge=1)
-    """DeepSpeed reduce_bucket_size in elements; written into the config."""
+    """DeepSpeed reduce_bucket_size in elements (ZeRO 1-3; without ZeRO the engine's own 5e8-element
+    buckets); written into the config."""
     allgather_bucket_size: int = Field(200_000_000, ge=1)
-    """DeepSpeed allgather_bucket_size in elements (ZeRO 1/2); written into the config."""
+    """DeepSpeed allgather_bucket_size in elements (ZeRO 1/2); written into the config. DeepSpeed 0.19
+    gathers the updated partitions into the flat parameters in place (all_gather_into_tensor) and
+    reads it only where that collective is missing, so the planner counts no bucket for it."""
     overlap_comm: bool = True
-    """Overlap gradient reduction with backward (doubles the reduce bucket)."""
+    """Overlap gradient reduction with backward (ZeRO 1/2: doubles the reduce bucket)."""
     stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0)
     """ZeRO-3 parameter prefetch, in elements; written into the config."""
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=1)
-    """ZeRO-3 cap on gathered parameters, in elements; written into the config."""
+    """ZeRO-3 cap on prefetching, in elements; written into the config as stage3_max_live_parameters
+    and stage3_max_reuse_distance, so parameters reused within this many elements stay gathered."""
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     """ZeRO-3 keeps parameters smaller than this (elements) gathered on every GPU."""
     sub_group_size: int = Field(1_000_000_000, ge=1)

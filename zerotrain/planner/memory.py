@@ -2,9 +2,13 @@
 
 Notation: P_t trainable parameters, N data-parallel ranks (all GPUs of all nodes), bf16
 training with fp32 master weights and AdamW. Every term is a named function whose constants
-say where they come from; DeepSpeed sources are deepspeed/runtime/zero/stage_1_and_2.py,
-stage3.py and bf16_optimizer.py (0.19). tests/distributed compares these against the tensors
-a real engine holds, and tests/unit against DeepSpeed's own estimators."""
+say where they come from; DeepSpeed sources are deepspeed/runtime/engine.py,
+fp16/fused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py and
+zero/partitioned_param_coordinator.py (0.19.8). Without ZeRO (stage 0) the config zerotrain writes
+(bf16, no grad_accum_dtype) makes DeepSpeed wrap its FusedAdam in FP16_Optimizer running in bf16
+(engine._do_optimizer_sanity_check returns DDP_BFLOAT16), not BF16_Optimizer.
+tests/distributed compares these against the tensors a real engine holds, and tests/unit against
+DeepSpeed's own estimators."""
 
 from __future__ import annotations
 
@@ -13,6 +17,10 @@ from dataclasses import dataclass, field
 LP = 2  # bf16 parameter / gradient element
 FP32 = 4  # fp32 master weight / gradient element
 ADAM = 8  # AdamW exp_avg + exp_avg_sq, fp32 each
+# Without ZeRO, DeepSpeed all-reduces the gradients in buckets of this many elements whatever the
+# config's reduce_bucket_size (engine.py: MEMORY_OPT_ALLREDUCE_SIZE, the default bucket_size of
+# allreduce_gradients).
+ZERO0_ALLREDUCE_ELEMENTS = 500_000_000
 # Pinned host allocations above this size are pinned exactly: zerotrain sets torch's
 # PYTORCH_CUDA_ALLOC_CONF pinned_max_round_threshold_mb to it (train.py). Below it, torch's caching
 # host allocator rounds each allocation up to a power of two for reuse (CachingHostAllocator.h;
@@ -73,10 +81,11 @@ class Buffers:
     """DeepSpeed's communication buffers and allocator constants (elements, bytes, fraction)."""
 
     reduce_bucket_size: int = 200_000_000
-    allgather_bucket_size: int = 200_000_000
     overlap_comm: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_max_live_parameters: int = 1_000_000_000
+    """Caps ZeRO-3's prefetch; zerotrain also writes it as stage3_max_reuse_distance
+    (deepspeed_json.py), which decides how many gathered parameters stay gathered."""
     sub_group_size: int = 1_000_000_000
     cuda_context_bytes: int = 0
     nccl_workspace_bytes: int = 0
@@ -102,20 +111,43 @@ def lp_params(layout: Layout, s: Sizes) -> int:
     return sharded + (0 if s.frozen_shardable else s.frozen_bytes)
 
 
+def _partitioned_params(s: Sizes) -> int:
+    """Parameters ZeRO-3 partitions: every one (over a quantized base only the adapters, which are
+    all the engine is given) less the persistent ones."""
+    total = s.total_params or s.trainable_params + s.frozen_bytes // LP
+    return max(0, (total if s.frozen_shardable else s.trainable_params) - s.persistent_params)
+
+
 def gathered_params(layout: Layout, s: Sizes, b: Buffers) -> int:
-    """ZeRO-3 gathers each module's full bf16 parameters for its forward and backward, plus
-    the prefetch bucket, capped by stage3_max_live_parameters; and the largest layer's full
-    bf16 gradient exists before its reduce-scatter. DeepSpeed's estimator calls this
-    4 * largest_layer (2 bytes of parameter + 2 of gradient)."""
+    """ZeRO-3's full bf16 parameters gathered at once (with unreduced_gradient, what DeepSpeed's
+    estimator counts as 4 x largest layer: it assumes one layer gathered).
+
+    After a module runs, its parameters stay gathered if they are used again within
+    stage3_max_reuse_distance elements of the recorded parameter order
+    (partitioned_param_coordinator.py __params_to_release), which zerotrain writes equal to
+    stage3_max_live_parameters (R). Every parameter kept that way but the earliest kept one was used
+    since that one was released, within R elements of it: they hold less than R + one largest
+    layer (none when R is 0). The module running adds a layer, and the prefetch
+    stage3_prefetch_bucket_size, capped by stage3_max_live_parameters; never more than every
+    partitioned parameter. tests/distributed measures the parameters gathered on a real engine."""
     if layout.stage < 3:
         return 0
-    live = min(b.stage3_max_live_parameters, s.largest_layer_params + b.stage3_prefetch_bucket_size)
-    return LP * live + LP * min(s.largest_layer_params, s.trainable_params)
+    reuse = b.stage3_max_live_parameters
+    kept = reuse + s.largest_layer_params if reuse else 0
+    prefetch = min(b.stage3_prefetch_bucket_size, b.stage3_max_live_parameters)
+    return LP * min(_partitioned_params(s), kept + s.largest_layer_params + prefetch)
+
+
+def unreduced_gradient(layout: Layout, s: Sizes) -> int:
+    """ZeRO-3: a layer's full bf16 gradient exists in backward until it is copied into the
+    reduction bucket; the largest layer's at most."""
+    return LP * min(s.largest_layer_params, s.trainable_params) if layout.stage == 3 else 0
 
 
 def lp_grads(layout: Layout, s: Sizes) -> int:
     """bf16 gradients held through backward. ZeRO 0/1 keep a full-size gradient per trainable
-    parameter until the accumulation boundary; ZeRO-2 keeps its partition (grads_in_partition);
+    parameter until the accumulation boundary (ZeRO-0: autograd accumulates into each .grad, and
+    FP16_Optimizer.step frees them once flattened); ZeRO-2 keeps its partition (grads_in_partition);
     ZeRO-3 its grad_partitions_flat_buffer. With the optimizer offloaded, ZeRO-2 copies each
     reduced gradient straight into the host fp32 buffer (copy_grads_in_partition) and ZeRO-3
     pins its buffer in host memory, so neither keeps a GPU partition."""
@@ -127,14 +159,16 @@ def lp_grads(layout: Layout, s: Sizes) -> int:
 
 
 def fp32_grads(layout: Layout, s: Sizes, b: Buffers) -> int:
-    """fp32 gradients. Stage 0's BF16_Optimizer accumulates into a full fp32 copy
-    (fp32_groups_gradients). ZeRO 1/2 build the fp32 partition gradient at the step
+    """fp32 gradients at the optimizer step. ZeRO-0's FP16_Optimizer.step converts each bf16
+    gradient to an fp32 copy and flattens the copies into one fp32 gradient per group
+    (_flatten_dense_tensors of p.grad.to(fp32)): both exist while it flattens, 2 x fp32 of the
+    trainable parameters. ZeRO 1/2 build the fp32 partition gradient at the step
     (single_partition_of_fp32_groups[i].grad). ZeRO-3 builds it one sub-group at a time
     (_prepare_fp32_grad_for_sub_group). With the optimizer offloaded they live on the host."""
     if layout.offload_optimizer != "none":
         return 0
     if layout.stage == 0:
-        return FP32 * s.trainable_params
+        return 2 * FP32 * s.trainable_params
     partition = s.trainable_params // s.world_size
     if layout.stage == 3:
         return FP32 * min(b.sub_group_size, partition)
@@ -142,33 +176,34 @@ def fp32_grads(layout: Layout, s: Sizes, b: Buffers) -> int:
 
 
 def master_weights(layout: Layout, s: Sizes) -> int:
-    """fp32 master copy of the trainable parameters: whole at stage 0, partitioned from stage 1."""
+    """fp32 master copy of the trainable parameters: whole at stage 0 (FP16_Optimizer's
+    fp32_groups_flat, unpadded), partitioned from stage 1."""
     if layout.offload_optimizer != "none":
         return 0
     return FP32 * s.trainable_params // (1 if layout.stage == 0 else s.world_size)
 
 
 def optimizer_states(layout: Layout, s: Sizes) -> int:
-    """AdamW's two fp32 moments, only for trainable parameters; partitioned from stage 1."""
+    """AdamW's two fp32 moments, only for trainable parameters; partitioned from stage 1. At stage
+    0 FP16_Optimizer creates them at init (initialize_optimizer_states steps once on zero
+    gradients); ZeRO 1-3 at the first step."""
     if layout.offload_optimizer != "none":
         return 0
     return ADAM * s.trainable_params // (1 if layout.stage == 0 else s.world_size)
 
 
 def reduce_buckets(layout: Layout, s: Sizes, b: Buffers) -> int:
-    """Gradient reduction buckets in bf16: stage 0 flattens up to a bucket for its all-reduce;
-    ZeRO 1-3 fill reduce_bucket_size elements, doubled with overlap_comm (two ipg buffers)."""
-    elements = min(b.reduce_bucket_size, s.trainable_params)
-    copies = 2 if b.overlap_comm and layout.stage > 0 else 1
-    return LP * elements * copies
-
-
-def allgather_bucket(layout: Layout, s: Sizes, b: Buffers) -> int:
-    """ZeRO 1/2 all-gather the updated bf16 partitions after the step in chunks of
-    allgather_bucket_size elements."""
-    if layout.stage not in (1, 2):
-        return 0
-    return LP * min(b.allgather_bucket_size, s.trainable_params)
+    """Gradient reduction buffers, bf16. Stage 0: at the accumulation boundary the engine flattens
+    the gradients into buckets, one at a time, each closed once it exceeds ZERO0_ALLREDUCE_ELEMENTS
+    (engine.allreduce_no_retain; reduce_bucket_size is not read). ZeRO 1/2: reduce_bucket_size
+    elements, two buffers with overlap_comm (stage_1_and_2.py setup_buckets, for each backward).
+    ZeRO-3: one buffer of reduce_bucket_size elements whatever overlap_comm (stage3.py
+    _setup_for_real_optimizer, from init). The buffers are allocated whole, even for fewer
+    trainable parameters."""
+    if layout.stage == 0:
+        return LP * min(s.trainable_params, ZERO0_ALLREDUCE_ELEMENTS + s.largest_trainable_param)
+    copies = 2 if b.overlap_comm and layout.stage < 3 else 1
+    return LP * b.reduce_bucket_size * copies
 
 
 def offload_grad_staging(layout: Layout, s: Sizes) -> int:
@@ -179,18 +214,32 @@ def offload_grad_staging(layout: Layout, s: Sizes) -> int:
     return 0
 
 
-def init_flatten(layout: Layout, s: Sizes) -> int:
-    """While DeepSpeed flattens the bf16 parameters into contiguous groups at init, the
-    originals and the flat copy coexist: a transient second copy of the trainable bf16 weights
-    (ZeRO-3: of its partition)."""
-    copy = LP * s.trainable_params
-    return copy // s.world_size if layout.stage == 3 else copy
+def init_transient(layout: Layout, s: Sizes, b: Buffers) -> int:
+    """What deepspeed.initialize holds beyond what it leaves (the init phase's other terms).
+    - ZeRO-0: FP16_Optimizer.initialize_optimizer_states steps once on a zero fp32 gradient of
+      every trainable parameter, to create the Adam moments: FP32 x P_t.
+    - ZeRO 1/2 (stage_1_and_2.py): the flat bf16 copy of the trainable parameters is made beside
+      the originals on the GPU (when it has room; the engine moves the model there whole first),
+      LP x P_t, before the fp32 master partition exists; then initialize_optimizer_states builds a
+      zero fp32 gradient partition beside the master (both on the host when offloaded). Above the
+      flat parameters and the master partition it leaves: the larger of the two.
+    - ZeRO-3 (stage3.py initialize_optimizer_states): a zero fp32 gradient buffer of the largest
+      sub-group's partition, as at the step (on the host when offloaded). zerotrain loads the model
+      on the host, and DeepSpeed copies each parameter's partition to the GPU."""
+    if layout.stage == 0:
+        return FP32 * s.trainable_params
+    if layout.stage == 3:
+        return fp32_grads(layout, s, b)
+    return max(LP * s.trainable_params - master_weights(layout, s), fp32_grads(layout, s, b))
 
 
 def save_gather(layout: Layout, s: Sizes) -> int:
-    """Saving 16-bit weights under ZeRO-3 gathers one module at a time on the GPU
-    (stage3_gather_16bit_weights_on_model_save) before copying it to the host."""
-    return LP * s.largest_layer_params if layout.stage == 3 else 0
+    """Saving a checkpoint (engine.save_checkpoint, as zerotrain saves) writes each rank's
+    partitions as they are: nothing is gathered at ZeRO 0-2, nor into 16-bit weights at ZeRO-3
+    (stage3_gather_16bit_weights_on_model_save acts in save_16bit_model only). ZeRO-3 releases
+    every gathered parameter before (checkpoint_event_prologue) and all-gathers the persistent
+    ones into new tensors after (checkpoint_event_epilogue), beside the old ones."""
+    return LP * s.persistent_params if layout.stage == 3 else 0
 
 
 @dataclass
@@ -220,17 +269,23 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
     }
     grads = lp_grads(layout, s)
     gathered = gathered_params(layout, s, b)
+    buckets = reduce_buckets(layout, s, b)
+    # ZeRO-3 allocates its gradient partition and reduction buffer at init and keeps them; ZeRO 0-2
+    # hold gradients from the first backward to the step, and buckets only while reducing.
+    resident = {"bf16 grads": grads, "reduce buckets": buckets} if layout.stage == 3 else {}
+    # ZeRO 1-3 create the moments at the first step, not at init.
+    after_init = {**states, "optimizer states": states["optimizer states"] if layout.stage == 0 else 0}
     phase_terms = {
-        "init": {**states, "init flatten": init_flatten(layout, s)},
-        "forward": {**states, "bf16 grads": grads, "gathered params": gathered,
+        "init": {**after_init, **resident, "init transient": init_transient(layout, s, b)},
+        "forward": {**states, "bf16 grads": grads, **resident, "gathered params": gathered,
                     "activations": activation_peak, "inputs": input_bytes},
         "backward": {**states, "bf16 grads": grads, "gathered params": gathered,
-                     "reduce buckets": reduce_buckets(layout, s, b), "offload staging": offload_grad_staging(layout, s),
+                     "unreduced gradient": unreduced_gradient(layout, s), "reduce buckets": buckets,
+                     "offload staging": offload_grad_staging(layout, s),
                      "activations": activation_peak,
                      "inputs": input_bytes},
-        "optimizer step": {**states, "bf16 grads": grads, "fp32 grads": fp32_grads(layout, s, b),
-                           "allgather bucket": allgather_bucket(layout, s, b)},
-        "checkpoint save": {**states, "save gather": save_gather(layout, s)},
+        "optimizer step": {**states, "bf16 grads": grads, **resident, "fp32 grads": fp32_grads(layout, s, b)},
+        "checkpoint save": {**states, **resident, "save gather": save_gather(layout, s)},
     }
     phases = {name: sum(terms.values()) for name, terms in phase_terms.items()}
     peak_phase = max(phases, key=phases.__getitem__)

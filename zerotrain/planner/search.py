@@ -85,8 +85,8 @@ class Plan:
 def buffers_from(run: RunConfig) -> Buffers:
     p = run.planner
     return Buffers(
-        reduce_bucket_size=p.reduce_bucket_size, allgather_bucket_size=p.allgather_bucket_size,
-        overlap_comm=p.overlap_comm, stage3_prefetch_bucket_size=p.stage3_prefetch_bucket_size,
+        reduce_bucket_size=p.reduce_bucket_size, overlap_comm=p.overlap_comm,
+        stage3_prefetch_bucket_size=p.stage3_prefetch_bucket_size,
         stage3_max_live_parameters=p.stage3_max_live_parameters, sub_group_size=p.sub_group_size,
         cuda_context_bytes=p.cuda_context_bytes, nccl_workspace_bytes=p.nccl_workspace_bytes,
         fragmentation=p.fragmentation,

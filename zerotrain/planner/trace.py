@@ -4,10 +4,11 @@ The real diffusers model is built on meta. Parameters are counted by name (DeepS
 model_to_params de-duplicates by data_ptr, which is 0 for every meta tensor). One forward and
 backward is traced under a dispatch mode that tracks live tensor storages (de-duplicated by
 storage, freed through weak references), so saved activations, the forward peak and the
-backward transient are measured rather than guessed. Attention is accounted as a flash /
-memory-efficient kernel holds it (q, k, v, out, logsumexp), because meta and CPU would fall
-back to math attention and save the full T x T score matrix (about 4x too much per block,
-FIELD_NOTES). FLOPs come from torch's own flop formulas, plus attention's matmuls."""
+backward transient are measured rather than guessed. Attention is accounted as a flash kernel
+holds it (q, k, v, out, logsumexp saved; dq, dk, dv and FlashAttention-2's fp32 workspace in
+backward), because meta and CPU would fall back to math attention and save the full T x T score
+matrix (about 4x too much per block, FIELD_NOTES). FLOPs come from torch's own flop formulas, plus
+attention's matmuls."""
 
 from __future__ import annotations
 
@@ -60,45 +61,70 @@ class _Accountant:
         self.flops = 0.0
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def flash_backward_workspace(query: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of the buffers FlashAttention-2's backward allocates besides dq, dk and dv
+    (flash_api.cpp mha_bwd, which torch vendors for CUDA SDPA): softmax_d, fp32 B x H x Lq, and the
+    fp32 dq accumulator dq_accum, B x Lq x H x D, with Lq rounded up to 128 and D to 32 (256 above
+    192); given here with batch and heads leading. Both live alongside dq, dk and dv until the
+    kernel returns."""
+    *batch_heads, queries, head_dim = query.shape
+    rows = _round_up(queries, 128)
+    dim = _round_up(head_dim, 32) if head_dim <= 192 else 256
+    return [((*batch_heads, rows), torch.float32), ((*batch_heads, rows, dim), torch.float32)]
+
+
+def _flash_layout_empty(query: torch.Tensor, value_dim: int) -> torch.Tensor:
+    """The attention output (B, H, Lq, Dv) as flash and memory-efficient kernels lay it out: stored
+    (B, Lq, H, Dv) and returned transposed (torch's _scaled_dot_product_flash_attention and its CPU
+    counterpart), so that the usual transpose(1, 2).reshape(B, Lq, H * Dv) after attention is a view,
+    not a copy."""
+    if query.dim() != 4:
+        return query.new_empty((*query.shape[:-1], value_dim))
+    batch, heads, queries, _ = query.shape
+    return query.new_empty((batch, queries, heads, value_dim)).transpose(1, 2)
+
+
 class FlashAccountedAttention(torch.autograd.Function):
-    """Scaled dot-product attention whose saved tensors are those of a flash / memory-efficient
-    kernel: q, k, v, out and the fp32 logsumexp (B, H, Lq). On meta it only produces shapes; on
-    real tensors it computes the true result (math attention without keeping the score matrix)."""
+    """Scaled dot-product attention whose memory is that of a flash kernel: forward saves q, k, v,
+    out and the fp32 logsumexp (B, H, Lq); backward allocates dq, dk, dv and FlashAttention-2's
+    workspace (flash_backward_workspace) on top. On meta it only produces shapes; on real CPU
+    tensors it runs torch's CPU flash kernels, which save and return the same tensors (their
+    per-thread scratch is freed inside the kernel)."""
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, scale, accountant):
         batch_heads = math.prod(query.shape[:-2])
         accountant.flops += 4.0 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1]
-        out_shape = (*query.shape[:-1], value.shape[-1])
         if query.device.type == "meta":
-            out = query.new_empty(out_shape)
+            out = _flash_layout_empty(query, value.shape[-1])
             lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
         else:
-            scale_value = scale if scale is not None else query.shape[-1] ** -0.5
-            scores = (query.float() @ key.float().transpose(-2, -1)) * scale_value
-            if attn_mask is not None:
-                scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-            lse = torch.logsumexp(scores, dim=-1)
-            out = (torch.exp(scores - lse.unsqueeze(-1)) @ value.float()).to(query.dtype)
-            del scores
+            if attn_mask is not None and attn_mask.dtype == torch.bool:
+                # The CPU flash kernel takes additive masks only.
+                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, attn_mask=attn_mask, scale=scale)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.attn_mask, ctx.scale, ctx.accountant = attn_mask, scale, accountant
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, _out, _lse = ctx.saved_tensors
+        query, key, value, out, lse = ctx.saved_tensors
         batch_heads = math.prod(query.shape[:-2])
         ctx.accountant.flops += 8.0 * batch_heads * query.shape[-2] * key.shape[-2] * query.shape[-1]
-        if query.device.type == "meta":
-            # FlashAttention-2's backward keeps an fp32 dq accumulator the size of q (dq_accum).
-            dq_accum = torch.empty(query.shape, dtype=torch.float32, device=query.device)
-            del dq_accum
-            return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), None, None, None
-        with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
-            out = _ORIGINAL_SDPA(q, k, v, attn_mask=ctx.attn_mask, scale=ctx.scale)
-            grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        if query.device.type != "meta":
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, query, key, value, out, lse, 0.0, False, attn_mask=ctx.attn_mask, scale=ctx.scale)
+            return (*grads, None, None, None)
+        grads = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        workspace = [torch.empty(shape, dtype=dtype, device=query.device)
+                     for shape, dtype in flash_backward_workspace(query)]
+        del workspace
         return (*grads, None, None, None)
 
 
