@@ -368,6 +368,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
     import torch
 
     from zerotrain.distributed import barrier, gather_objects
+    from zerotrain.engine import cpu_adam_unavailable
     from zerotrain.hardware import hardware_facts
     from zerotrain.models.catalog import resolve_model
     from zerotrain.planner.measure import measure_model
@@ -383,8 +384,10 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
     facts = measure_model(spec, run) if topo.is_main else None
     facts = gather_objects(facts)[0]
     result = plan(facts, hw, run)
+    layouts = grid(result, args.grid)
+    no_cpu_adam = cpu_adam_unavailable() if any(layout.offload_optimizer == "cpu" for layout in layouts) else None
     rows = []
-    for layout in grid(result, args.grid):
+    for layout in layouts:
         trial = run.model_copy(update={"training": run.training.model_copy(
             update={"global_batch_size": layout.micro_batch * topo.world_size})})
         candidate = evaluate(layout, facts, hw, trial)
@@ -392,6 +395,8 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
                "flops_per_step": facts.activations(layout.gradient_checkpointing).flops * layout.micro_batch,
                "fits": candidate.fits, "rejected": candidate.rejected,
                "status": measurable(candidate, topo, device) or "ok"}
+        if row["status"] == "ok" and layout.offload_optimizer == "cpu" and no_cpu_adam:
+            row["status"] = f"skipped: {no_cpu_adam}"
         if row["status"] == "ok":
             if topo.is_main:
                 print(f"calibrate: {row['config']} ...", file=sys.stderr, flush=True)

@@ -153,6 +153,28 @@ def build_engine(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConf
     return engine
 
 
+def cpu_adam_unavailable() -> str | None:
+    """Build (or load from the torch extensions cache) DeepSpeedCPUAdam's C++ op one rank at a time,
+    before an offloaded engine needs it: left to deepspeed.initialize, every rank JIT-compiles it at
+    once on a fresh machine. Returns why it cannot be built here, or None. Every rank must call it."""
+    import subprocess
+
+    from deepspeed.accelerator import get_accelerator
+
+    error = None
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    for turn in range(world):
+        if turn == rank:
+            try:
+                get_accelerator().create_op_builder("CPUAdamBuilder").load()
+            except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as err:
+                error = f"DeepSpeedCPUAdam's op does not build here: {' '.join(str(err).split())[-400:]}"
+        if world > 1:
+            torch.distributed.barrier()
+    return error
+
+
 def denoiser(engine: Any) -> torch.nn.Module:
     """The diffusers model an engine trains (inside a TrainableView for a quantized base)."""
     module = engine.module

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import gc
 import json
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterable
@@ -367,31 +366,17 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     return measured
 
 
-def offload_unavailable() -> str | None:
-    """Build (or load from the torch extensions cache) DeepSpeedCPUAdam's C++ op, one rank at a
-    time, before any case needs it. Returns why it cannot work, or None."""
-    from deepspeed.accelerator import get_accelerator
-
-    error = None
-    for turn in range(torch.distributed.get_world_size()):
-        if turn == torch.distributed.get_rank():
-            try:
-                get_accelerator().create_op_builder("CPUAdamBuilder").load()
-            except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as err:
-                error = f"DeepSpeedCPUAdam's op does not build here: {' '.join(str(err).split())[-400:]}"
-        torch.distributed.barrier()
-    return error
-
-
 def main() -> int:
     cases_file, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
     import deepspeed
 
+    from zerotrain.engine import cpu_adam_unavailable
+
     spec = json.loads(cases_file.read_text())
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    no_offload = offload_unavailable() if any(c["offload"] != "none" for c in spec["cases"]) else None
+    no_offload = cpu_adam_unavailable() if any(c["offload"] != "none" for c in spec["cases"]) else None
     for case in spec["cases"]:
         if case["offload"] != "none" and no_offload:
             result = {"ok": False, "skip": no_offload}
