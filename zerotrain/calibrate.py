@@ -212,7 +212,10 @@ def grid(result: Plan, kind: str) -> list[Layout]:
     star = [a] + [layout for layout in every if changes(layout) == 1]
     # Offload needs ZeRO 1+ (parameters: ZeRO-3): the offload neighbours keep the rest and take the
     # nearest stage that has them.
-    for offload in {(b.offload_optimizer, b.offload_param) for b in every} - {(a.offload_optimizer, a.offload_param)}:
+    # (In the candidates' order: a set's order follows each process's string hash seed, and ranks
+    # measuring the layouts in different orders wait for each other in different collectives.)
+    offloads = dict.fromkeys((b.offload_optimizer, b.offload_param) for b in every)
+    for offload in [o for o in offloads if o != (a.offload_optimizer, a.offload_param)]:
         alike = [b for b in every if (b.offload_optimizer, b.offload_param) == offload
                  and (b.gradient_checkpointing, b.micro_batch) == (a.gradient_checkpointing, a.micro_batch)]
         if alike:
@@ -236,7 +239,7 @@ def measurable(candidate: Candidate, topo: Topology, device: torch.device) -> st
 # --- the fit ----------------------------------------------------------------------------------------
 
 
-def fit(rows: list[dict], run: RunConfig, hw, facts, family: str, bandwidth: float | None,
+def fit(rows: list[dict], hw, facts, family: str, bandwidth: float | None,
         context: dict[str, int] | None, on_gpu: bool) -> tuple[dict[str, Any], list[str]]:
     """The planner's constants that the measurements determine, and the names of those they do not."""
     ok = [r for r in rows if r["status"] == "ok"]
@@ -384,7 +387,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
     facts = measure_model(spec, run) if topo.is_main else None
     facts = gather_objects(facts)[0]
     result = plan(facts, hw, run)
-    layouts = grid(result, args.grid)
+    layouts = gather_objects(grid(result, args.grid))[0]  # every rank measures rank 0's list, in its order
     no_cpu_adam = cpu_adam_unavailable() if any(layout.offload_optimizer == "cpu" for layout in layouts) else None
     rows = []
     for layout in layouts:
@@ -422,7 +425,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
                 m["forward_backward_s"] + m["optimizer_s"])
             m["mfu"] = (row["flops_per_step"] / (hw.peak_bf16_flops * (m["forward_backward_s"] + m["optimizer_s"]))
                         if device.type == "cuda" else None)
-    constants, defaults = fit(rows, run, hw, facts, family, bandwidth, context, device.type == "cuda")
+    constants, defaults = fit(rows, hw, facts, family, bandwidth, context, device.type == "cuda")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
     out = args.out or (calibration.default_path(hw.gpu_name) if device.type == "cuda" else Path("calibration.json"))
     document = {"version": calibration.VERSION, "device": device_name, "profile": hw.gpu_name,
@@ -442,14 +445,15 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
 
 def merge(ranks: list[dict]) -> dict:
     """One row from every rank's measurement: the largest memory of any rank, the slowest time."""
-    phases = ranks[0]["allocated"].keys()
+    phases = list(ranks[0]["allocated"])  # empty without a GPU
     rss = [r["host_rss_peak"] for r in ranks if r["host_rss_peak"] is not None]
+    floors = [r["host_rss_floor"] for r in ranks if r["host_rss_floor"] is not None]
     return {
-        "allocated": max((max(r["allocated"].values()) for r in ranks), default=0) if phases else 0,
-        "reserved": max((max(r["reserved"].values()) for r in ranks), default=0) if phases else 0,
+        "allocated": max((r["allocated"][p] for r in ranks for p in phases), default=0),
+        "reserved": max((r["reserved"][p] for r in ranks for p in phases), default=0),
         "phases": {p: max(r["allocated"][p] for r in ranks) for p in phases},
-        "host_rss_peak": max(rss) if rss else None,
-        "host_rss_floor": max((r["host_rss_floor"] or 0) for r in ranks) or None,
+        "host_rss_peak": max(rss, default=None),
+        "host_rss_floor": max(floors, default=None),
         "forward_backward_s": max(r["forward_backward_s"] for r in ranks),
         "optimizer_s": max(r["optimizer_s"] for r in ranks),
     }

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import CONFIG, REPO, process_env, run_ranks, tiny_data
 
 
@@ -51,14 +52,13 @@ def test_calibrate_one_process_then_a_plan_uses_it(shared_cache, tmp_path):
 
 
 def test_calibrate_two_ranks_runs_the_star_grid(shared_cache, tmp_path):
-    """Two ranks (as torchrun starts them), the star grid without offload: ZeRO stages,
-    checkpointing and micro-batch around the plan's choice, each measured on both ranks. (With CPU
-    offload in the grid, this harness's 2-rank run stalled at the first offloaded layout in a fresh
-    clone, while the same command launched by hand finished: not understood yet, so offload is
-    left out here; see issue 13.)"""
+    """Two ranks (as torchrun starts them), the star grid: ZeRO stages, checkpointing, micro-batch
+    and CPU offload around the plan's choice, each measured on both ranks, and DeepSpeedCPUAdam's
+    rate fitted from the offloaded layouts' optimizer phase."""
+    from zerotrain.config.sections import PlannerConfig
+
     out = tmp_path / "calibration.json"
-    codes, logs, _ = run_ranks(calibrate_args(shared_cache, out, "--set", "planner.offload=[none]"),
-                               tmp_path / "logs", "calibrate")
+    codes, logs, _ = run_ranks(calibrate_args(shared_cache, out), tmp_path / "logs", "calibrate")
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     data = document(out)
     assert data["world_size"] == 2
@@ -67,4 +67,13 @@ def test_calibrate_two_ranks_runs_the_star_grid(shared_cache, tmp_path):
     assert any(r["layout"]["gradient_checkpointing"] for r in rows)
     assert all(r["status"] == "ok" and r["measured"]["forward_backward_s"] > 0 for r in rows), \
         [r["status"] for r in rows]
-    assert "cpu_adam_params_per_second" in data["defaults"]  # nothing offloaded, nothing to fit it from
+    offloaded = [r for r in rows if r["layout"]["offload_optimizer"] == "cpu"]
+    assert {r["layout"]["stage"] for r in offloaded} >= {1, 3}
+    # The fitted rate steps the offloaded layouts' parameters in the optimizer time measured for them
+    # (on CPU there are no host<->device copies to take out). The planner's "cpu adam" term at the
+    # default rate says how many parameters each step updates.
+    rate = data["constants"]["cpu_adam_params_per_second"]
+    default = PlannerConfig().cpu_adam_params_per_second
+    stepped = sum(r["predicted"]["time_terms"]["cpu adam"] * default for r in offloaded)
+    measured = sum(r["measured"]["optimizer_s"] for r in offloaded)
+    assert stepped / rate == pytest.approx(measured, rel=0.01)
