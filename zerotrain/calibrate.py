@@ -40,7 +40,7 @@ from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.planner import calibration
 from zerotrain.planner.memory import Layout
-from zerotrain.planner.search import Candidate, Plan, describe, evaluate
+from zerotrain.planner.search import Candidate, Plan, activations, describe, evaluate
 
 if TYPE_CHECKING:  # torch loads only when calibrate runs: `zerotrain plan` imports this module's parser
     import torch
@@ -90,7 +90,7 @@ def release_host_memory() -> None:
 # --- one configuration ------------------------------------------------------------------------------
 
 
-def build_model(spec, run: RunConfig, checkpointing: bool) -> torch.nn.Module:
+def build_model(spec, run: RunConfig, checkpointing: bool | list[str]) -> torch.nn.Module:
     """The denoiser from its config with random weights, made in bf16 (no fp32 copy on the host),
     with the run's training mode applied as train.py applies it."""
     import torch
@@ -132,9 +132,11 @@ class PhasePeaks:
             self.reserved[phase] = max(self.reserved.get(phase, 0), torch.cuda.max_memory_reserved(self.device))
 
 
-def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: torch.device, steps: int) -> dict:
-    """Build the engine of one layout and run 1 + `steps` optimizer steps of random inputs; what
-    was measured on this rank."""
+def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: torch.device, steps: int,
+               checkpointing: bool | list[str]) -> dict:
+    """Build the engine of one layout (checkpointing every block, none or the named ones: the
+    plan's Plan.checkpointed) and run 1 + `steps` optimizer steps of random inputs; what was
+    measured on this rank."""
     import torch
 
     from zerotrain.engine import build_engine
@@ -146,7 +148,7 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     release_host_memory()
     floor = host_rss()
     peaks.start()
-    model = build_model(spec, run, layout.gradient_checkpointing)
+    model = build_model(spec, run, checkpointing)
     engine = build_engine(model, config, run, device)
     peaks.end("init")
     side, tokens = run.data.resolution, run.data.text_tokens or family.default_text_tokens
@@ -395,7 +397,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
             update={"global_batch_size": layout.micro_batch * topo.world_size})})
         candidate = evaluate(layout, facts, hw, trial)
         row = {"config": describe(layout), "layout": dataclasses.asdict(layout), "predicted": prediction(candidate, hw, device.type == "cuda"),
-               "flops_per_step": facts.activations(layout.gradient_checkpointing).flops * layout.micro_batch,
+               "flops_per_step": activations(layout, facts).flops * layout.micro_batch,
                "fits": candidate.fits, "rejected": candidate.rejected,
                "status": measurable(candidate, topo, device) or "ok"}
         if row["status"] == "ok" and layout.offload_optimizer == "cpu" and no_cpu_adam:
@@ -404,7 +406,8 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
             if topo.is_main:
                 print(f"calibrate: {row['config']} ...", file=sys.stderr, flush=True)
             try:
-                measured = run_layout(layout, spec, trial, topo, device, args.steps)
+                blocks = result.checkpointed(layout)
+                measured = run_layout(layout, spec, trial, topo, device, args.steps, True if blocks is None else blocks)
             except torch.OutOfMemoryError as err:
                 row["status"] = f"oom: {' '.join(str(err).split())[:120]}"
                 measured = None

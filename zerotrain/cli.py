@@ -128,7 +128,13 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
             # DeepSpeed's own check costs a 2 s import; it guards what is written, and tests
             # run it on every preset.
             validate(config)
-            write_config(config, args.write_config, {"command": reproducible_command(argv), "plan": result.reasons})
+            # Checkpointing is the run config's, not DeepSpeed's: say what to set beside this file.
+            layout = result.chosen.layout
+            training = {"gradient_checkpointing": layout.gradient_checkpointing}
+            if layout.gradient_checkpointing and result.checkpointed(layout) is not None:
+                training["checkpoint_blocks"] = layout.checkpointed_blocks
+            write_config(config, args.write_config, {"command": reproducible_command(argv), "plan": result.reasons,
+                                                     "training": training})
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"plan": result.to_json(), "deepspeed_config": config,

@@ -98,9 +98,11 @@ class TrainableView(torch.nn.Module):
         return super().train(mode)
 
 
-def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig, gradient_checkpointing: bool) -> list[str]:
+def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig,
+               gradient_checkpointing: bool | list[str]) -> list[str]:
     """LoRA adapters (the base frozen, quantized if asked) or a full fine-tune; gradient
-    checkpointing as planned. Returns what was done, in lines for the log."""
+    checkpointing as planned: of every block (True), none (False, []) or the named blocks
+    (Plan.checkpointed). Returns what was done, in lines for the log."""
     done = []
     if run.training.quantize_base is not Quantization.none:
         done.append(quantize_base(model, run.training.quantize_base))
@@ -110,12 +112,14 @@ def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig, gradient
         apply_lora(model, spec, run)
     else:
         model.requires_grad_(True)
+    some = None if gradient_checkpointing is True else gradient_checkpointing
     if gradient_checkpointing:
-        families.of(spec).enable_checkpointing(model)
+        families.of(spec).enable_checkpointing(model, some)
     model.train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    done.append(f"{run.training.mode.value} training: {trainable:,} trainable parameters"
-                + (", gradient checkpointing" if gradient_checkpointing else ""))
+    checkpointing = "" if not gradient_checkpointing else ", gradient checkpointing" + (
+        f" of {len(some)} blocks ({', '.join(some[:3])}{', ...' if len(some) > 3 else ''})" if some else "")
+    done.append(f"{run.training.mode.value} training: {trainable:,} trainable parameters{checkpointing}")
     return done
 
 

@@ -250,7 +250,8 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     }
     micro = run.training.micro_batch_size
     accumulation = run.training.global_batch_size // (micro * world)
-    layout = Layout(stage, offload_optimizer=offload, micro_batch=micro, accumulation=accumulation)
+    layout = Layout(stage, offload_optimizer=offload, micro_batch=micro, accumulation=accumulation,
+                    optimizer=case.get("optimizer", "adamw"))
     config = deepspeed_config(layout, run, world_size=world)
 
     gc.collect()  # what earlier cases left for the collector is not freed inside the window
@@ -321,9 +322,13 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     _, save_peak, _ = allocator_window(lambda: engine.save_checkpoint(
         str(out_dir / f"{case['id']}.checkpoint"), tag="step1", save_latest=False, exclude_frozen_parameters=True))
 
+    param_tensors = bf16_param_tensors(zero, model, stage)
+    param_storages = {t.untyped_storage().data_ptr() for t in param_tensors if t is not None and t.numel()}
     held = {
-        "bf16 params": storage_bytes(bf16_param_tensors(zero, model, stage)),
-        "fp32 master": storage_bytes(master_tensors(zero, stage)),
+        "bf16 params": storage_bytes(param_tensors),
+        # A master that is the bf16 partition itself (ZeRO-3 with adamw-bf16) is no second copy.
+        "fp32 master": storage_bytes(t for t in master_tensors(zero, stage)
+                                     if t.untyped_storage().data_ptr() not in param_storages),
         "optimizer states": storage_bytes(adam_moment_tensors(basic)),
         "bf16 grads": bf16_grads,
         # ZeRO-0's fp32 gradients are transient: FP16_Optimizer.step makes an fp32 copy of each

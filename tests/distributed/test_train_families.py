@@ -3,10 +3,11 @@ the run folder holds what a run leaves behind.
 
 Cases (global batch 2, micro 1 per rank, 64 px buckets, constant LR, no warmup):
 
-    flux full ZeRO-2, ZeRO-3, ZeRO-3 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)
+    flux full ZeRO-2, ZeRO-3 with adamw-bf16 (bf16 master weights, gradients and moments), ZeRO-3
+        with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)
     flux LoRA (rank 4) ZeRO-0 (no ZeRO: DeepSpeed's bf16 optimizer), ZeRO-2, ZeRO-3
     flux LoRA (rank 4) over a qint8-quantized base (optimum-quanto), ZeRO-2, ZeRO-3
-    sdxl full ZeRO-2, sdxl LoRA ZeRO-3
+    sdxl full ZeRO-2 with 2 of its blocks checkpointed (partial checkpointing), sdxl LoRA ZeRO-3
     sd3 LoRA (rank 4) ZeRO-2
 
 Every case also renders validation images through the family's diffusers pipeline with the model
@@ -55,6 +56,9 @@ class Case:
     quantize: str = "none"
     min_drop: float = 0.05
     """Required relative drop of the mean of the last WINDOW losses against the first WINDOW."""
+    checkpoint_blocks: int | None = None
+    """training.checkpoint_blocks: partial checkpointing of that many blocks."""
+    optimizer: str = "adamw"
 
     def overrides(self) -> list[str]:
         out = [f"model.name_or_path={self.model}", f"training.mode={self.mode}", f"training.max_steps={self.steps}",
@@ -65,19 +69,23 @@ class Case:
             out.append("training.lora.rank=4")
         if self.quantize != "none":
             out.append(f"training.quantize_base={self.quantize}")
+        if self.checkpoint_blocks is not None:
+            out.append(f"training.checkpoint_blocks={self.checkpoint_blocks}")
+        if self.optimizer != "adamw":
+            out.append(f"optimizer.name={self.optimizer}")
         return out
 
 
 CASES = [
     Case("flux-full-zero2", "tiny-flux", "full", 2, 1e-3, 12),
-    Case("flux-full-zero3", "tiny-flux", "full", 3, 1e-3, 12),
+    Case("flux-full-zero3-adamw-bf16", "tiny-flux", "full", 3, 1e-3, 12, optimizer="adamw-bf16"),
     Case("flux-full-zero3-offload", "tiny-flux", "full", 3, 1e-3, 12, offload=True),
     Case("flux-lora-zero0", "tiny-flux", "lora", 0, 1e-2, 12),
     Case("flux-lora-zero2", "tiny-flux", "lora", 2, 1e-2, 12),
     Case("flux-lora-zero3", "tiny-flux", "lora", 3, 1e-2, 12),
     Case("flux-lora-qint8-zero2", "tiny-flux", "lora", 2, 1e-2, 12, quantize="qint8"),
     Case("flux-lora-qint8-zero3", "tiny-flux", "lora", 3, 1e-2, 12, quantize="qint8"),
-    Case("sdxl-full-zero2", "tiny-sdxl", "full", 2, 1e-3, 12),
+    Case("sdxl-full-zero2-partial-checkpointing", "tiny-sdxl", "full", 2, 1e-3, 12, checkpoint_blocks=2),
     Case("sdxl-lora-zero3", "tiny-sdxl", "lora", 3, 5e-2, 12),
     # The tiny SD3's loss (~4.1 at the start: 16-channel latents, timesteps shifted by 3 towards
     # noise) falls ~6% in 16 steps, full fine-tune or LoRA alike, then levels off; at 1e-2 LoRA
@@ -160,8 +168,11 @@ def test_loss_goes_down(train, tmp_path, case):
     assert not missing, f"{run_dir} lacks {missing}"
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert (config["model"]["name_or_path"], config["training"]["mode"]) == (case.model, case.mode)
-    zero = json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]
+    written = json.loads((run_dir / "deepspeed.json").read_text())
+    zero = written["zero_optimization"]
     assert zero["stage"] == case.stage
+    bf16_states = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert (written["bf16"].items() >= bf16_states.items()) == (case.optimizer == "adamw-bf16"), written["bf16"]
     if case.offload:
         assert zero.get("offload_optimizer", {}).get("device") == "cpu", zero
         assert stepped_by_cpu_adam(run_dir / "checkpoints" / f"step-{case.steps:08d}")
@@ -171,6 +182,13 @@ def test_loss_goes_down(train, tmp_path, case):
     if case.quantize != "none":
         assert f"quantized the frozen base to {case.quantize} with optimum-quanto" in result.log, result.tails()
         assert only_adapters_in_engine(run_dir / "checkpoints" / f"step-{case.steps:08d}")
+    if case.checkpoint_blocks is not None:
+        # The plan names the blocks, and the engine checkpointed those (UNet down/mid/up blocks).
+        planned = json.loads((run_dir / "plan.json").read_text())
+        blocks = planned["checkpoint_order"][:case.checkpoint_blocks]
+        assert planned["chosen"]["layout"]["checkpointed_blocks"] == case.checkpoint_blocks, planned["chosen"]
+        assert f"gradient checkpointing of {case.checkpoint_blocks} blocks ({', '.join(blocks)})" in result.log, \
+            result.tails()
     manifest = json.loads((run_dir / "export" / "export.json").read_text())
     assert (manifest["mode"], manifest["step"]) == (case.mode, case.steps), manifest
 

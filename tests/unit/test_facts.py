@@ -121,7 +121,7 @@ def test_block_extrapolation_equals_full_trace(name, depth, gradient_checkpointi
         return facts
 
     monkeypatch.setattr(trace, "trace_activations", recording_trace)
-    extrapolated = trace.trace_by_blocks(model, inputs, gradient_checkpointing)
+    extrapolated, _ = trace.trace_by_blocks(model, inputs, gradient_checkpointing)
 
     assert reduced_traces and max(d for d, _ in reduced_traces) < depth_of(model), "nothing was extrapolated"
     assert extrapolated.saved_bytes == full.saved_bytes
@@ -143,7 +143,7 @@ def test_unet_with_identical_blocks_is_traced_whole():
                    transformer_layers_per_block=[1, 1, 1])
     model = trace.build_meta_model(spec)
     inputs = meta_inputs(spec)
-    assert trace.trace_by_blocks(model, inputs, False) == trace.trace_activations(model, inputs, False)
+    assert trace.trace_by_blocks(model, inputs, False) == (trace.trace_activations(model, inputs, False), {})
 
 
 # --- 2. traced activations vs a real CPU forward and backward -----------------------------------

@@ -82,7 +82,10 @@ class TrainingConfig(_Section):
     micro_batch_size: int | Literal["auto"] = "auto"
     """Images per GPU per forward pass; auto lets the planner choose."""
     gradient_checkpointing: bool | Literal["auto"] = "auto"
-    """Recompute activations in backward; auto lets the planner choose."""
+    """Recompute activations in backward; auto lets the planner choose none, some blocks or all."""
+    checkpoint_blocks: int | None = Field(None, ge=1)
+    """Checkpoint exactly this many blocks, those that free the most activation memory per
+    recomputed FLOP (partial checkpointing); unset: as gradient_checkpointing says."""
     seed: int = 0
     """Seed for the sampling order, crops, noise and initialisation."""
     max_steps: int = Field(1000, ge=1)
@@ -204,8 +207,13 @@ class ObjectiveConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw"] = "adamw"
-    """AdamW; DeepSpeed's CPU Adam is used automatically when the optimizer is offloaded."""
+    name: Literal["adamw", "adamw-bf16", "auto"] = "adamw"
+    """adamw: AdamW with fp32 master weights and moments (16 bytes per trainable parameter with
+    the bf16 weights and gradients). adamw-bf16: DeepSpeed's bf16 master weights, gradients and
+    moments (bf16.bf16_master_weights_and_grads, bf16_optimizer_states: 10 bytes; ZeRO 1-3
+    only), with no stochastic rounding, so an update below a weight's bf16
+    resolution (about 1/256 of it) is lost. auto: the planner chooses among planner.optimizers
+    (the first listed wins a tie). DeepSpeed's CPU Adam steps an offloaded optimizer."""
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -259,6 +267,10 @@ class PlannerConfig(_Section):
     """Fraction of each GPU's memory the plan keeps free as a safety margin."""
     stages: list[Literal[0, 1, 2, 3]] = [0, 1, 2, 3]
     """ZeRO stages the search may choose from."""
+    optimizers: list[Literal["adamw", "adamw-bf16"]] = ["adamw", "adamw-bf16"]
+    """What optimizer.name auto may choose, in order of preference when they are as fast: the
+    others change numerics, so the planner takes one only where it fits and adamw does not, or
+    is faster."""
     offload: list[Literal["none", "cpu", "nvme"]] = ["none", "cpu", "nvme"]
     """Offload targets the search may choose from (nvme needs hardware.nvme_path)."""
     max_micro_batch: int = Field(32, ge=1)

@@ -147,9 +147,12 @@ class Family:
             raise ValueError(f"{self.name}: the config has none of {', '.join(self.depth_keys)} to shorten")
         return {**config, **share_blocks(depths, blocks)}
 
-    def enable_checkpointing(self, model: torch.nn.Module) -> None:
-        """Gradient checkpointing of every block, as diffusers' enable_gradient_checkpointing does it."""
-        model.enable_gradient_checkpointing()
+    def enable_checkpointing(self, model: torch.nn.Module, blocks: list[str] | None = None) -> None:
+        """Gradient checkpointing of every block (blocks None), as diffusers'
+        enable_gradient_checkpointing does it, or of the named blocks (zerotrain.recompute)."""
+        from zerotrain import recompute
+
+        recompute.enable(model, blocks)
 
     # --- conditioning ------------------------------------------------------------------------------
 

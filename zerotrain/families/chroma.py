@@ -128,13 +128,16 @@ class Chroma(Flux):
     default_guidance = 5.0
     classifier_free_guidance = True
 
-    def enable_checkpointing(self, model: Any) -> None:
+    def enable_checkpointing(self, model: Any, blocks: list[str] | None = None) -> None:
         """Each block's own forward runs under non-reentrant torch.utils.checkpoint, its arguments
         passed through. Not diffusers' enable_gradient_checkpointing: ChromaTransformer2DModel.forward
         (diffusers 0.42, transformer_chroma.py:588) then calls the single-stream blocks without their
         attention_mask, so training would attend to padding that inference masks."""
-        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-            block.forward = functools.partial(checkpointed, block.forward)
+        from zerotrain import recompute
+
+        units = recompute.checkpoint_units(model)
+        for name in units if blocks is None else blocks:
+            units[name].forward = functools.partial(checkpointed, units[name].forward)
 
     def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
         """prompt_embeds (B, T, d_T5): T5's sequence of max_sequence_length = text_tokens tokens, run with

@@ -59,7 +59,8 @@ def deepspeed_config(layout: Layout, run: RunConfig, world_size: int) -> dict[st
         "train_micro_batch_size_per_gpu": layout.micro_batch,
         "gradient_accumulation_steps": layout.accumulation,
         "gradient_clipping": opt.grad_clip,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": True, **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                                     if layout.bf16_optimizer else {})},
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",

@@ -37,6 +37,20 @@ class ActivationFacts:
 
 
 @dataclass
+class CheckpointUnit:
+    """Blocks that cost the same under activation checkpointing (one structural group of a DiT's
+    blocks, or one UNet block): what checkpointing one of them frees and adds, per sample."""
+
+    names: list[str]
+    """The blocks, as zerotrain.recompute.checkpoint_units names them."""
+    freed_bytes: int
+    """Saved activation bytes one block no longer holds into backward when checkpointed (it keeps
+    its inputs only)."""
+    recompute_flops: float
+    """FLOPs its recomputation in backward adds."""
+
+
+@dataclass
 class ModelFacts:
     """Everything the planner needs to know about the model, for one mode and resolution."""
 
@@ -67,6 +81,9 @@ class ModelFacts:
     """One sample's conditioning tensors as fed to the denoiser (latents, embeddings, ids)."""
     no_checkpointing: ActivationFacts
     checkpointing: ActivationFacts
+    checkpoint_units: list[CheckpointUnit] = field(default_factory=list)
+    """The blocks partial checkpointing can choose, best first: the most activation bytes freed
+    per FLOP recomputed. Checkpointing k blocks means the first k of checkpoint_order()."""
     trace_seconds: float = 0.0
     cached: bool = field(default=False, compare=False)
 
@@ -75,8 +92,40 @@ class ModelFacts:
         """Training FLOPs without recomputation: the numerator of MFU."""
         return self.no_checkpointing.flops
 
-    def activations(self, gradient_checkpointing: bool) -> ActivationFacts:
-        return self.checkpointing if gradient_checkpointing else self.no_checkpointing
+    @property
+    def checkpoint_blocks(self) -> int:
+        """How many blocks partial checkpointing chooses among."""
+        return sum(len(unit.names) for unit in self.checkpoint_units)
+
+    def checkpoint_order(self) -> list[str]:
+        """Every checkpointable block, best first."""
+        return [name for unit in self.checkpoint_units for name in unit.names]
+
+    def activations(self, gradient_checkpointing: bool, blocks: int | None = None) -> ActivationFacts:
+        """Activations without checkpointing, with every block checkpointed (blocks None, or all of
+        them), or with the first `blocks` of checkpoint_order(): the saved bytes less what those
+        blocks free, the FLOPs plus their recomputation, and the larger transient of the two
+        extremes on top (one block's recomputation at most; the activation gradients)."""
+        if not gradient_checkpointing or blocks == 0:
+            return self.no_checkpointing
+        if blocks is None or blocks >= self.checkpoint_blocks:
+            return self.checkpointing
+        freed, recompute, left = 0, 0.0, blocks
+        for unit in self.checkpoint_units:
+            n = min(left, len(unit.names))
+            freed += n * unit.freed_bytes
+            recompute += n * unit.recompute_flops
+            left -= n
+        none, every = self.no_checkpointing, self.checkpointing
+        saved = max(none.saved_bytes - freed, every.saved_bytes)
+        return ActivationFacts(
+            saved_bytes=saved,
+            forward_peak_bytes=saved + max(none.forward_peak_bytes - none.saved_bytes,
+                                           every.forward_peak_bytes - every.saved_bytes),
+            backward_peak_bytes=saved + max(none.backward_peak_bytes - none.saved_bytes,
+                                            every.backward_peak_bytes - every.saved_bytes),
+            flops=min(none.flops + recompute, every.flops),
+        )
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -88,6 +137,7 @@ class ModelFacts:
         data = dict(data)
         data["no_checkpointing"] = ActivationFacts(**data["no_checkpointing"])
         data["checkpointing"] = ActivationFacts(**data["checkpointing"])
+        data["checkpoint_units"] = [CheckpointUnit(**unit) for unit in data.get("checkpoint_units", [])]
         return cls(**data)
 
 
@@ -101,7 +151,8 @@ def pack_facts(facts: dict[str, ModelFacts]) -> dict[str, Any]:
         data = one.to_json()
         del data["trace_seconds"]
         shared = {"block_params": data.pop("block_params"),
-                  "param_numels": [[n, len(list(run))] for n, run in itertools.groupby(data.pop("param_numels"))]}
+                  "param_numels": [[n, len(list(run))] for n, run in itertools.groupby(data.pop("param_numels"))],
+                  "checkpoint_names": [unit.pop("names") for unit in data["checkpoint_units"]]}
         if shared not in parameters:
             parameters.append(shared)
         packed[key] = {**data, "parameters": parameters.index(shared)}
@@ -115,7 +166,9 @@ def unpack_facts(data: dict[str, Any], key: str) -> ModelFacts | None:
         return None
     entry = dict(entry)
     shared = data["parameters"][entry.pop("parameters")]
-    return ModelFacts.from_json({**entry, "block_params": dict(shared["block_params"]),
+    units = [{**unit, "names": list(names)} for unit, names in zip(entry.pop("checkpoint_units", []),
+                                                                     shared.get("checkpoint_names", []), strict=True)]
+    return ModelFacts.from_json({**entry, "block_params": dict(shared["block_params"]), "checkpoint_units": units,
                                  "param_numels": [n for n, count in shared["param_numels"] for _ in range(count)]})
 
 

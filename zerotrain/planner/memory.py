@@ -39,6 +39,16 @@ class Layout:
     gradient_checkpointing: bool = False
     micro_batch: int = 1
     accumulation: int = 1
+    checkpointed_blocks: int | None = None
+    """With gradient_checkpointing: the first this many blocks of ModelFacts.checkpoint_order()
+    (partial checkpointing); None: every block."""
+    optimizer: str = "adamw"
+    """adamw (fp32 master weights and moments) or adamw-bf16 (bf16 master weights, gradients and
+    moments: DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states, ZeRO 1-3)."""
+
+    @property
+    def bf16_optimizer(self) -> bool:
+        return self.optimizer == "adamw-bf16"
 
     def label(self) -> str:
         parts = [f"ZeRO-{self.stage}"]
@@ -95,6 +105,19 @@ class Buffers:
     of two; None: torch's default, every pinned allocation rounds up."""
     host_offload_factor: float = 1.0
     """Measured over predicted offload host bytes (zerotrain calibrate)."""
+
+
+def master_element(layout: Layout) -> int:
+    """Bytes of one master weight (and of its gradient at the step): fp32, or bf16 with
+    adamw-bf16 (DeepSpeed's master_weights_and_grads_dtype)."""
+    return LP if layout.bf16_optimizer else FP32
+
+
+def moment_bytes(layout: Layout) -> int:
+    """AdamW's two moments per trainable parameter: fp32 each, or bf16 with adamw-bf16 (the basic
+    optimizer allocates them like the master; offloaded, DeepSpeed builds DeepSpeedCPUAdam with
+    fp32_optimizer_states=False, engine.get_optimizer_configuration)."""
+    return 2 * LP if layout.bf16_optimizer else ADAM
 
 
 def lp_params(layout: Layout, s: Sizes) -> int:
@@ -171,15 +194,21 @@ def fp32_grads(layout: Layout, s: Sizes, b: Buffers) -> int:
         return 2 * FP32 * s.trainable_params
     partition = s.trainable_params // s.world_size
     if layout.stage == 3:
-        return FP32 * min(b.sub_group_size, partition)
-    return FP32 * partition
+        return master_element(layout) * min(b.sub_group_size, partition)
+    return master_element(layout) * partition
 
 
 def master_weights(layout: Layout, s: Sizes) -> int:
     """fp32 master copy of the trainable parameters: whole at stage 0 (FP16_Optimizer's
-    fp32_groups_flat, unpadded), partitioned from stage 1."""
+    fp32_groups_flat, unpadded), partitioned from stage 1. adamw-bf16: a bf16 copy of the partition
+    (single_partition_of_fp32_groups, fp32_partitioned_groups_flat in master_weights_and_grads_dtype).
+    ZeRO-3 would share the bf16 partition itself when it already has the master dtype on the
+    optimizer's device, but stage3.py compares a torch.device with the accelerator's device name, a
+    string, which is never equal: it always copies (measured)."""
     if layout.offload_optimizer != "none":
         return 0
+    if layout.bf16_optimizer:
+        return LP * s.trainable_params // s.world_size
     return FP32 * s.trainable_params // (1 if layout.stage == 0 else s.world_size)
 
 
@@ -189,7 +218,7 @@ def optimizer_states(layout: Layout, s: Sizes) -> int:
     gradients); ZeRO 1-3 at the first step."""
     if layout.offload_optimizer != "none":
         return 0
-    return ADAM * s.trainable_params // (1 if layout.stage == 0 else s.world_size)
+    return moment_bytes(layout) * s.trainable_params // (1 if layout.stage == 0 else s.world_size)
 
 
 def reduce_buckets(layout: Layout, s: Sizes, b: Buffers) -> int:
@@ -354,15 +383,16 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
       (partition_parameters.py)."""
     per_rank = s.trainable_params // s.world_size
     out: list[HostBuffer] = []
+    m = master_element(layout)
     if layout.offload_optimizer == "cpu":
         if layout.stage == 3:
             groups = _chunks(per_rank, b.sub_group_size)
-            out += [HostBuffer("fp32 master", tuple(FP32 * n for n in groups), pinned=False),
-                    HostBuffer("fp32 grads", tuple(FP32 * n for n in groups), pinned=True),
+            out += [HostBuffer("fp32 master", tuple(m * n for n in groups), pinned=False),
+                    HostBuffer("fp32 grads", tuple(m * n for n in groups), pinned=True),
                     HostBuffer("bf16 grad partition", (LP * per_rank,), pinned=True)]
         else:
-            out += [HostBuffer("fp32 master", (FP32 * per_rank,), pinned=True),
-                    HostBuffer("fp32 grads", (FP32 * per_rank,), pinned=True),
+            out += [HostBuffer("fp32 master", (m * per_rank,), pinned=True),
+                    HostBuffer("fp32 grads", (m * per_rank,), pinned=True),
                     HostBuffer("bf16 upload copy", (LP * per_rank,), pinned=True),
                     HostBuffer("grad staging", (LP * s.largest_trainable_param,), pinned=True)]
             if layout.stage == 2 and layout.accumulation > 1:
@@ -371,7 +401,7 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
                 else:  # adapters of unknown sizes: the partition, each one rounded up at worst
                     sizes = (LP * per_rank,)
                 out.append(HostBuffer("grad accumulators", sizes, pinned=True))
-        out.append(HostBuffer("adam moments", (FP32 * per_rank, FP32 * per_rank), pinned=False))
+        out.append(HostBuffer("adam moments", (moment_bytes(layout) // 2 * per_rank,) * 2, pinned=False))
     if layout.offload_param == "cpu":
         out.append(HostBuffer("bf16 params", tuple(LP * n for n in _chunks(per_rank, b.sub_group_size)), pinned=True))
         if s.frozen_shardable and s.frozen_bytes:
@@ -401,7 +431,7 @@ def nvme_bytes(layout: Layout, s: Sizes) -> int:
     ranks, per_rank = s.gpus_per_node, s.trainable_params // s.world_size
     used = 0
     if layout.offload_optimizer == "nvme":
-        used += ranks * (FP32 + ADAM + FP32) * per_rank
+        used += ranks * (2 * master_element(layout) + moment_bytes(layout)) * per_rank
     if layout.offload_param == "nvme":
         used += ranks * (LP * per_rank + (s.frozen_bytes // s.world_size if s.frozen_shardable else 0))
     return used

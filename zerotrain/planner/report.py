@@ -26,17 +26,26 @@ TOP_TERMS = 3
 
 
 def best_per_layout(candidates: list[Candidate]) -> list[Candidate]:
-    """One row per (stage, offload, checkpointing): its fastest fitting micro-batch, or its
+    """One row per (stage, offload, checkpointed blocks, optimizer): its fastest fitting micro-batch, or its
     smallest one when none fits."""
     best: dict[tuple, Candidate] = {}
     for c in candidates:
-        key = (c.layout.stage, c.layout.offload_optimizer, c.layout.offload_param, c.layout.gradient_checkpointing)
+        key = (c.layout.stage, c.layout.offload_optimizer, c.layout.offload_param, c.layout.gradient_checkpointing,
+               c.layout.checkpointed_blocks, c.layout.optimizer)
         current = best.get(key)
         rank = (c.fits, c.images_per_second if c.fits else -c.memory.device_total)
         if current is None or rank > (current.fits, current.images_per_second if current.fits
                                       else -current.memory.device_total):
             best[key] = c
     return sorted(best.values(), key=lambda c: (not c.fits, -c.images_per_second, c.memory.device_total))
+
+
+def checkpointed(c: Candidate, facts: ModelFacts) -> str:
+    """The ckpt column: no, all, or k/N blocks."""
+    if not c.layout.gradient_checkpointing:
+        return "no"
+    blocks = c.layout.checkpointed_blocks
+    return "all" if blocks is None or blocks >= facts.checkpoint_blocks else f"{blocks}/{facts.checkpoint_blocks}"
 
 
 def print_plan(p: Plan, facts: ModelFacts, show_all: bool = False, seconds: float = 0.0,
@@ -46,14 +55,14 @@ def print_plan(p: Plan, facts: ModelFacts, show_all: bool = False, seconds: floa
              f"{'' if p.quantize == 'none' else ' over ' + p.quantize}, global batch {p.global_batch} "
              f"on {p.hardware}")
     table = Table(title=title, title_justify="left")
-    for column in ("", "ZeRO / offload", "ckpt", "micro x accum", "GiB/GPU", "largest terms", "host GiB/node",
+    for column in ("", "ZeRO / offload", "optimizer", "ckpt", "micro x accum", "GiB/GPU", "largest terms", "host GiB/node",
                    "images/s", "verdict"):
         table.add_column(column, justify="right" if column in ("GiB/GPU", "host GiB/node", "images/s") else "left")
     rows = p.candidates if show_all else best_per_layout(p.candidates)
     for c in rows:
         terms = sorted(c.memory.terms.items(), key=lambda kv: -kv[1])[:TOP_TERMS]
         table.add_row(
-            "*" if c is p.chosen else "", c.layout.label(), "yes" if c.layout.gradient_checkpointing else "no",
+            "*" if c is p.chosen else "", c.layout.label(), c.layout.optimizer, checkpointed(c, facts),
             f"{c.layout.micro_batch} x {c.layout.accumulation}", f"{c.memory.device_total / 2**30:.1f}",
             ", ".join(f"{k} {v / 2**30:.1f}" for k, v in terms), f"{c.memory.host_per_node / 2**30:.0f}",
             f"{c.images_per_second:.2f}", "fits" if c.fits else c.rejected or "",

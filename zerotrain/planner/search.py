@@ -17,7 +17,16 @@ from zerotrain.config.sections import Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
 from zerotrain.planner.facts import ModelFacts
-from zerotrain.planner.memory import ADAM, FP32, LP, Buffers, Layout, MemoryEstimate, Sizes, estimate
+from zerotrain.planner.memory import (
+    LP,
+    Buffers,
+    Layout,
+    MemoryEstimate,
+    Sizes,
+    estimate,
+    master_element,
+    moment_bytes,
+)
 
 GiB = 2**30
 
@@ -73,6 +82,16 @@ class Plan:
     flops_per_sample: float = 0.0
     given: Candidate | None = None
     """A DeepSpeed config the user gave (train.py's deepspeed: path), as the planner evaluates it."""
+    checkpoint_order: list[str] = field(default_factory=list)
+    """The blocks partial checkpointing takes, best first (ModelFacts.checkpoint_order)."""
+
+    def checkpointed(self, layout: Layout) -> list[str] | None:
+        """The blocks a layout checkpoints: None for every one, [] for none."""
+        if not layout.gradient_checkpointing:
+            return []
+        if layout.checkpointed_blocks is None or layout.checkpointed_blocks >= len(self.checkpoint_order):
+            return None
+        return self.checkpoint_order[:layout.checkpointed_blocks]
 
     def to_json(self) -> dict[str, Any]:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("chosen", "candidates", "given")}
@@ -124,22 +143,42 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
                         if o[0] in allowed and o[1] in allowed | {"none"}]
         offloads[stage] = options
     training = run.training
-    checkpointing = [False, True] if training.gradient_checkpointing == "auto" else [training.gradient_checkpointing]
+    if training.checkpoint_blocks is not None:
+        checkpointing = [(True, training.checkpoint_blocks)]
+    elif training.gradient_checkpointing == "auto":
+        checkpointing = [(False, None), (True, None)]
+    else:
+        checkpointing = [(training.gradient_checkpointing, None)]
     if training.micro_batch_size == "auto":
         micros = [m for m in range(1, min(per_rank_batch, run.planner.max_micro_batch) + 1) if per_rank_batch % m == 0]
     else:
         micros = [training.micro_batch_size]
+    optimizers = run.planner.optimizers if run.optimizer.name == "auto" else [run.optimizer.name]
     return [
-        Layout(stage, opt, param, gc, micro, per_rank_batch // micro)
+        Layout(stage, opt, param, gc, micro, per_rank_batch // micro, blocks, optimizer)
         for stage, options in offloads.items() for opt, param in options
-        for gc in checkpointing for micro in micros
+        for gc, blocks in checkpointing for micro in micros
+        for optimizer in optimizers if stage > 0 or optimizer == "adamw"  # bf16 masters need ZeRO 1-3
     ]
+
+
+def recomputed_fraction(layout: Layout, facts: ModelFacts) -> float:
+    """The share of the blocks whose forward runs again in backward."""
+    if not layout.gradient_checkpointing:
+        return 0.0
+    if layout.checkpointed_blocks is None or not facts.checkpoint_blocks:
+        return 1.0
+    return min(1.0, layout.checkpointed_blocks / facts.checkpoint_blocks)
+
+
+def activations(layout: Layout, facts: ModelFacts):
+    return facts.activations(layout.gradient_checkpointing, layout.checkpointed_blocks)
 
 
 def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, run: RunConfig) -> dict[str, float]:
     """Seconds per optimizer step, by term."""
     samples = layout.micro_batch * layout.accumulation
-    compute = facts.activations(layout.gradient_checkpointing).flops * samples / (
+    compute = activations(layout, facts).flops * samples / (
         hw.peak_bf16_flops * run.planner.assumed_mfu)
     n = hw.world_size
     ring = (n - 1) / n
@@ -154,7 +193,7 @@ def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, ru
     elif layout.stage == 2:
         traffic = ring * grads * layout.accumulation  # reduce-scatter every micro-step
     else:
-        gathers = 3 if layout.gradient_checkpointing else 2  # forward, backward, recompute
+        gathers = 2 + recomputed_fraction(layout, facts)  # forward, backward, recompute
         traffic = ring * (gathers * shardable + grads) * layout.accumulation
     if layout.stage in (1, 2):
         traffic += ring * grads  # all-gather of the updated partitions
@@ -165,11 +204,11 @@ def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, ru
         terms["offload transfers"] = LP * per_rank * (layout.accumulation + 1) / hw.host_to_device_bandwidth
         terms["cpu adam"] = per_rank * hw.gpus_per_node / run.planner.cpu_adam_params_per_second
     if layout.offload_param != "none":
-        moves = 3 if layout.gradient_checkpointing else 2
+        moves = 2 + recomputed_fraction(layout, facts)
         terms["param transfers"] = moves * shardable / n * layout.accumulation / hw.host_to_device_bandwidth
     swapped = 0.0
     if layout.offload_optimizer == "nvme":
-        swapped += 2 * (FP32 + ADAM + FP32) * per_rank  # read and write back each step
+        swapped += 2 * (2 * master_element(layout) + moment_bytes(layout)) * per_rank  # read, write back
     if layout.offload_param == "nvme":
         swapped += 2 * shardable / n * layout.accumulation
     if swapped:
@@ -186,7 +225,7 @@ def budgets(hw: HardwareFacts, run: RunConfig) -> tuple[int, int, int | None]:
 
 def evaluate(layout: Layout, facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Candidate:
     s = sizes_from(facts, hw, run)
-    acts = facts.activations(layout.gradient_checkpointing)
+    acts = activations(layout, facts)
     memory = estimate(layout, s, buffers_from(run), acts.peak_bytes * layout.micro_batch,
                       facts.input_bytes * layout.micro_batch)
     gpu_budget, host_budget, nvme_budget = budgets(hw, run)
@@ -223,11 +262,61 @@ def check_batch(run: RunConfig, hw: HardwareFacts) -> int:
     return per_rank
 
 
+def check_blocks(run: RunConfig, facts: ModelFacts) -> None:
+    """training.checkpoint_blocks against the model's checkpointable blocks."""
+    blocks = run.training.checkpoint_blocks
+    if blocks is None:
+        return
+    if run.training.gradient_checkpointing is False:
+        raise ZerotrainError(f"training.checkpoint_blocks={blocks} asks for checkpointing while "
+                             "training.gradient_checkpointing is false; set it to auto or true, or drop checkpoint_blocks")
+    if blocks > facts.checkpoint_blocks:
+        raise ZerotrainError(f"training.checkpoint_blocks={blocks}: {facts.model} has {facts.checkpoint_blocks} blocks "
+                             f"that checkpointing can choose from; use at most {facts.checkpoint_blocks}")
+
+
+def partial_checkpointing(candidates: list[Candidate], facts: ModelFacts, hw: HardwareFacts,
+                          run: RunConfig) -> list[Candidate]:
+    """Where checkpointing every block fits and checkpointing none does not: the layout with the
+    fewest blocks checkpointed that fits (the first k of facts.checkpoint_order(), the blocks that
+    free the most activation memory per recomputed FLOP). Memory falls and time rises with k, so
+    the fewest that fit are the fastest; a bisection finds them."""
+    n = facts.checkpoint_blocks
+    if n < 2 or run.training.gradient_checkpointing != "auto" or run.training.checkpoint_blocks is not None:
+        return []
+    by_layout = {c.layout: c for c in candidates}
+    found = []
+    for c in candidates:
+        layout = c.layout
+        if not (c.fits and layout.gradient_checkpointing and layout.checkpointed_blocks is None):
+            continue
+        plain = by_layout.get(dataclasses.replace(layout, gradient_checkpointing=False))
+        if plain is None or plain.fits:
+            continue
+        low, high, best = 1, n, None
+        while low < high:
+            middle = (low + high) // 2
+            trial = evaluate(dataclasses.replace(layout, checkpointed_blocks=middle), facts, hw, run)
+            if trial.fits:
+                high, best = middle, trial
+            else:
+                low = middle + 1
+        if best is not None:
+            found.append(best)
+    return found
+
+
 def plan(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Plan:
     """All candidates, the fastest one that fits, and the reasons, in words."""
     per_rank = check_batch(run, hw)
+    check_blocks(run, facts)
     candidates = [evaluate(layout, facts, hw, run) for layout in layouts(run, hw, per_rank)]
-    candidates.sort(key=lambda c: (not c.fits, -c.images_per_second, c.memory.device_total))
+    candidates += partial_checkpointing(candidates, facts, hw, run)
+    # Between equally fast candidates: the optimizer listed first (fp32 AdamW's numerics), then the
+    # smaller memory.
+    preference = {name: index for index, name in enumerate(run.planner.optimizers)}
+    candidates.sort(key=lambda c: (not c.fits, -c.images_per_second, preference.get(c.layout.optimizer, 0),
+                                   c.memory.device_total))
     fitting = [c for c in candidates if c.fits]
     chosen = fitting[0] if fitting else None
     gpu_budget, host_budget, nvme_budget = budgets(hw, run)
@@ -237,6 +326,7 @@ def plan(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Plan:
         global_batch=run.training.global_batch_size, gpu_budget_bytes=gpu_budget,
         host_budget_bytes=host_budget, nvme_budget_bytes=nvme_budget, chosen=chosen,
         candidates=candidates, reasons=[], flops_per_sample=facts.model_flops_per_sample,
+        checkpoint_order=facts.checkpoint_order(),
     )
     result.reasons = reasons(result, facts, run)
     return result
@@ -271,6 +361,8 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
     )
     if not c.layout.gradient_checkpointing:
         lines.append("No gradient checkpointing: the activations fit, so no time is spent recomputing them")
+    elif c.layout.checkpointed_blocks is not None and c.layout.checkpointed_blocks < facts.checkpoint_blocks:
+        lines.append(partial_reason(c, p.candidates, facts))
     else:
         faster = [x for x in p.candidates if not x.layout.gradient_checkpointing and x.layout.stage == c.layout.stage]
         if faster and not any(x.fits for x in faster):
@@ -284,8 +376,30 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
     return lines
 
 
+def partial_reason(c: Candidate, candidates: list[Candidate], facts: ModelFacts) -> str:
+    """Why the chosen layout checkpoints only some blocks, with the step times on either side."""
+    k, n = c.layout.checkpointed_blocks, facts.checkpoint_blocks
+    alike = {x.layout: x for x in candidates}
+    none = alike.get(dataclasses.replace(c.layout, gradient_checkpointing=False, checkpointed_blocks=None))
+    every = alike.get(dataclasses.replace(c.layout, checkpointed_blocks=None))
+    first = facts.checkpoint_units[0]
+    kind = first.names[0].rsplit(".", 1)[0]
+    line = (f"Checkpointing {k} of {n} blocks, the fewest that fit, {kind} first (each frees "
+            f"{gib(first.freed_bytes * c.layout.micro_batch)} per micro-batch for "
+            f"{first.recompute_flops / 1e12:.2f} TFLOP per image recomputed, the most per FLOP): predicted "
+            f"{c.step_seconds:.2f} s/step")
+    if none is not None and every is not None:
+        line += (f", between {none.step_seconds:.2f} without checkpointing (which {none.rejected}) and "
+                 f"{every.step_seconds:.2f} with every block checkpointed")
+    return line
+
+
 def describe(layout: Layout) -> str:
     gc = "checkpointing" if layout.gradient_checkpointing else "no checkpointing"
+    if layout.gradient_checkpointing and layout.checkpointed_blocks is not None:
+        gc = f"checkpointing {layout.checkpointed_blocks} blocks"
+    if layout.optimizer != "adamw":
+        gc = f"{layout.optimizer}, {gc}"
     return f"{layout.label()}, {gc}, micro-batch {layout.micro_batch} x accumulation {layout.accumulation}"
 
 

@@ -17,7 +17,7 @@ import functools
 import math
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -27,10 +27,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry
 
-from zerotrain import families
+from zerotrain import families, recompute
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.models.catalog import ModelSpec
-from zerotrain.planner.facts import ActivationFacts, ModelFacts, lora_targets
+from zerotrain.planner.facts import ActivationFacts, CheckpointUnit, ModelFacts, lora_targets
 from zerotrain.quiet import hidden_warnings
 
 BF16 = 2  # bytes per bf16 element
@@ -206,23 +206,24 @@ def _drop_grad(param: torch.Tensor) -> None:
 
 
 def trace_activations(
-    model: torch.nn.Module, inputs: dict[str, Any], gradient_checkpointing: bool,
+    model: torch.nn.Module, inputs: dict[str, Any], gradient_checkpointing: bool | Collection[str] | None,
     saved_inputs_of: tuple[type, ...] = (), prediction: Any = None,
 ) -> ActivationFacts:
-    """One forward and backward of `model` on `inputs` under LiveBytesMode and flash accounting.
+    """One forward and backward of `model` on `inputs` under LiveBytesMode and flash accounting,
+    with every block checkpointed (True), none (False), the named checkpoint units
+    (zerotrain.recompute), or (None) as the model is set up already.
 
     Parameter gradients are dropped as soon as they are accumulated, as ZeRO's reduce hooks
     move them out of the autograd graph. `saved_inputs_of` lists module types whose forward
     inputs stay saved for backward even when their weight is frozen (quanto's
     QuantizedLinearFunction saves its input whenever autograd records it). `prediction` turns the
     forward's first output into one tensor (Family.prediction; the output itself by default)."""
-    if gradient_checkpointing:
-        # Non-reentrant checkpointing as diffusers uses it; RNG state is not needed for a trace.
-        model.enable_gradient_checkpointing(
-            functools.partial(_checkpoint_module, checkpoint_fn=functools.partial(
-                checkpoint, use_reentrant=False, preserve_rng_state=False)))
-    else:
+    if gradient_checkpointing is False:
         model.disable_gradient_checkpointing()
+    elif gradient_checkpointing is not None:
+        # Non-reentrant checkpointing as diffusers uses it; RNG state is not needed for a trace.
+        recompute.enable(model, None if gradient_checkpointing is True else gradient_checkpointing,
+                         functools.partial(checkpoint, use_reentrant=False, preserve_rng_state=False))
     params = [p for p in model.parameters() if p.requires_grad]
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
     tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
@@ -303,7 +304,7 @@ def _extrapolate(base: ActivationFacts, slopes: list[tuple[ActivationFacts, int]
 def trace_by_blocks(
     model: torch.nn.Module, inputs: dict[str, Any], gradient_checkpointing: bool,
     saved_inputs_of: tuple[type, ...] = (), prediction: Any = None,
-) -> ActivationFacts:
+) -> tuple[ActivationFacts, dict[tuple[str, ...], ActivationFacts]]:
     """trace_activations on a reduced-depth model, extrapolated to the full depth.
 
     Repeated blocks of a DiT (Flux's 19 + 38, SD3's 38) cost the same per block, so the model
@@ -311,14 +312,16 @@ def trace_by_blocks(
     each group that repeats; the full model is the base plus (count - 1) times each group's
     increment. Exact for saved bytes and FLOPs as long as blocks of a group are alike, and an upper
     bound for the peaks (see _extrapolate); tests/unit checks both against a full trace. Models without repeated top-level blocks
-    (UNets) are traced whole."""
+    (UNets) are traced whole. Also returns each repeating group's increment (one more block's
+    saved bytes and FLOPs), by the names of its blocks."""
     groups = repeated_block_groups(model)
     if not groups:
-        return trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction)
+        return trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction), {}
     base_keep = {name: [g[0] for g in lists] for name, lists in groups.items()}
     with keep_blocks(model, base_keep):
         base = trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction)
     slopes = []
+    increments = {}
     for name, lists in groups.items():
         for group in lists:
             if len(group) < 2:
@@ -326,13 +329,37 @@ def trace_by_blocks(
             keep = {n: list(v) for n, v in base_keep.items()}
             keep[name].append(group[1])
             with keep_blocks(model, keep):
-                slopes.append((trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction),
-                               len(group) - 1))
-    return _extrapolate(base, slopes)
+                more = trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction)
+            slopes.append((more, len(group) - 1))
+            increments[tuple(f"{name}.{i}" for i in group)] = ActivationFacts(
+                saved_bytes=more.saved_bytes - base.saved_bytes, forward_peak_bytes=0, backward_peak_bytes=0,
+                flops=more.flops - base.flops)
+    return _extrapolate(base, slopes), increments
 
 
-def _checkpoint_module(module: torch.nn.Module, *args: Any, checkpoint_fn: Any) -> Any:
-    return checkpoint_fn(module.__call__, *args)
+def checkpoint_costs(
+    model: torch.nn.Module, inputs: dict[str, Any], none: ActivationFacts,
+    increments: tuple[dict[tuple[str, ...], ActivationFacts], dict[tuple[str, ...], ActivationFacts]],
+    saved_inputs_of: tuple[type, ...] = (), prediction: Any = None,
+) -> list[CheckpointUnit]:
+    """What checkpointing each block frees and costs, best first (most bytes freed per FLOP
+    recomputed); blocks whose checkpointing frees nothing are left out. Repeated DiT blocks: a
+    group's increment without checkpointing less its increment with (increments, from
+    trace_by_blocks). Otherwise (UNet blocks, short block lists): the model traced with that one
+    unit checkpointed, against `none`. Partial checkpointing needs at least two blocks to choose from."""
+    plain, checkpointed = increments
+    units = []
+    if plain:
+        for names, more in plain.items():
+            units.append(CheckpointUnit(list(names), more.saved_bytes - checkpointed[names].saved_bytes,
+                                        checkpointed[names].flops - more.flops))
+    else:
+        for name in recompute.checkpoint_units(model):
+            alone = trace_activations(model, inputs, [name], saved_inputs_of, prediction)
+            units.append(CheckpointUnit([name], none.saved_bytes - alone.saved_bytes, alone.flops - none.flops))
+    units = [u for u in units if u.freed_bytes > 0]
+    units.sort(key=lambda u: (-u.freed_bytes / max(u.recompute_flops, 1.0), u.names[0]))
+    return units if sum(len(u.names) for u in units) >= 2 else []
 
 
 class _SaveInput(torch.autograd.Function):
@@ -433,8 +460,9 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
     input_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
     quantize = run.training.quantize_base
     saved_inputs_of = (torch.nn.Linear, torch.nn.Conv2d) if quantize is not Quantization.none else ()
-    no_gc = trace_by_blocks(model, inputs, False, saved_inputs_of, family.prediction)
-    gc = trace_by_blocks(model, inputs, True, saved_inputs_of, family.prediction)
+    no_gc, plain = trace_by_blocks(model, inputs, False, saved_inputs_of, family.prediction)
+    gc, checkpointed = trace_by_blocks(model, inputs, True, saved_inputs_of, family.prediction)
+    units = checkpoint_costs(model, inputs, no_gc, (plain, checkpointed), saved_inputs_of, family.prediction)
     facts = ModelFacts(
         model=spec.name, class_name=spec.class_name, family=spec.family, resolution=resolution,
         mode=run.training.mode.value, quantize=quantize.value,
@@ -446,6 +474,6 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
         param_numels=sorted(p.numel() for p in params),
         largest_trainable_param=max((p.numel() for p in params if p.requires_grad), default=0),
         image_tokens=family.image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
-        no_checkpointing=no_gc, checkpointing=gc, trace_seconds=round(time.perf_counter() - start, 3),
+        no_checkpointing=no_gc, checkpointing=gc, checkpoint_units=units, trace_seconds=round(time.perf_counter() - start, 3),
     )
     return facts

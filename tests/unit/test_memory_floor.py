@@ -1,0 +1,165 @@
+"""The memory floor (issue 14), without an engine.
+
+Partial checkpointing: the planner's prediction for k of N checkpointed blocks against a real CPU
+forward and backward with exactly those blocks checkpointed by the engine's code
+(Family.enable_checkpointing, zerotrain.recompute), measured with the tracer's own LiveBytesMode;
+and the search choosing the fewest blocks that fit. The optimizer dimension: the planner takes
+adamw-bf16 only where fp32 AdamW does not fit. (The engine's real bytes under adamw-bf16:
+tests/distributed/test_engine_bytes.py; its training: test_train_optimizers.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from tests.unit.test_facts import TEXT_TOKENS, cpu_inputs, meta_inputs, real_model, run_config, spec_of
+from zerotrain import recompute
+from zerotrain.config import load_config
+from zerotrain.errors import ZerotrainError
+from zerotrain.families import of
+from zerotrain.hardware import hardware_facts
+from zerotrain.planner import trace
+from zerotrain.planner.facts import ActivationFacts, CheckpointUnit, ModelFacts
+from zerotrain.planner.search import describe, evaluate, plan
+
+MODELS = [
+    # Repeated DiT blocks: each group's cost comes from trace_by_blocks' increments.
+    ("tiny-flux", {"num_layers": 3, "num_single_layers": 4}),
+    # A UNet: each down, mid and up block traced with it alone checkpointed.
+    ("tiny-sdxl", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "depth"), MODELS, ids=[name for name, _ in MODELS])
+def test_saved_bytes_and_flops_of_k_checkpointed_blocks_match_a_real_backward(name, depth):
+    spec = spec_of(name, **depth)
+    facts = trace.measure(spec, run_config(name), TEXT_TOKENS)
+    n = facts.checkpoint_blocks
+    order = facts.checkpoint_order()
+    assert n == len(order) >= 3 and set(order) <= set(recompute.checkpoint_units(trace.build_meta_model(spec)))
+    family = of(spec)
+    real = {}
+    for k in (0, n // 2, n):
+        model = real_model(spec)
+        if k:
+            family.enable_checkpointing(model, order[:k])  # as engine.apply_mode does for the plan
+        real[k] = trace.trace_activations(model, cpu_inputs(spec), None, prediction=family.prediction)
+        assert real[k].flops == pytest.approx(facts.activations(k > 0, k).flops, rel=1e-9), k
+    # What checkpointing k blocks frees. The CPU kernels keep a few bytes per block that the
+    # planner's CUDA-like meta trace does not (layer-norm statistics in bf16 rather than fp32, CPU
+    # flash attention's logsumexp: under 0.4% of what is freed here, per-token scalars at full size).
+    none = facts.activations(False)
+    for k in (n // 2, n):
+        freed = none.saved_bytes - facts.activations(True, k).saved_bytes
+        assert real[0].saved_bytes - real[k].saved_bytes == pytest.approx(freed, rel=0.01), k
+    assert real[0].saved_bytes == pytest.approx(none.saved_bytes, rel=0.005)
+    # And with the engine's checkpointing on the meta model, the prediction is exact.
+    meta = trace.build_meta_model(spec)
+    family.enable_checkpointing(meta, order[:n // 2])
+    half = trace.trace_activations(meta, meta_inputs(spec), None, prediction=family.prediction)
+    assert half.saved_bytes == facts.activations(True, n // 2).saved_bytes
+    # Between the extremes, both move monotonically with k.
+    curve = [facts.activations(True, k) for k in range(n + 1)]
+    assert all(a.saved_bytes >= b.saved_bytes and a.flops <= b.flops for a, b in itertools.pairwise(curve))
+    assert curve[0] == facts.no_checkpointing and curve[-1] == facts.checkpointing
+
+
+def test_checkpointing_unknown_blocks_is_refused():
+    model = real_model(spec_of("tiny-flux"))
+    with pytest.raises(ValueError, match="no checkpoint unit named transformer_blocks.99"):
+        recompute.enable(model, ["transformer_blocks.99"])
+
+
+def facts_with_units() -> ModelFacts:
+    """A 1B-parameter DiT: 10 GiB saved without checkpointing, 1 GiB with every one of its 30
+    blocks checkpointed (20 frees 0.4 GiB each, 10 frees 0.1 GiB each for the same recomputation)."""
+    gib = 2**30
+    none = ActivationFacts(saved_bytes=10 * gib, forward_peak_bytes=11 * gib, backward_peak_bytes=12 * gib, flops=6e13)
+    every = ActivationFacts(saved_bytes=1 * gib, forward_peak_bytes=2 * gib, backward_peak_bytes=3 * gib, flops=8e13)
+    units = [CheckpointUnit([f"single.{i}" for i in range(10)], gib // 10, 2e13 / 30),
+             CheckpointUnit([f"double.{i}" for i in range(20)], 4 * gib // 10, 2e13 / 30)]
+    units.sort(key=lambda u: -u.freed_bytes)
+    return ModelFacts(model="m", class_name="FluxTransformer2DModel", family="flux", resolution=1024, mode="full",
+                      quantize="none", lora_rank=None, total_params=10**9, trainable_params=10**9, frozen_params=0,
+                      frozen_bytes=0, buffer_bytes=0, largest_layer_params=10**7, block_params={},
+                      param_numels=[10**7] * 100, largest_trainable_param=10**7, image_tokens=4096, text_tokens=512,
+                      input_bytes=10**6, no_checkpointing=none, checkpointing=every, checkpoint_units=units)
+
+
+def test_the_plan_checkpoints_the_fewest_blocks_that_fit():
+    facts = facts_with_units()
+    run = load_config(None, ["hardware.gpus=1", "hardware.gpu_memory=26GiB", "training.global_batch_size=1",
+                             "planner.stages=[2]", "planner.offload=[none]"])
+    hw = hardware_facts(run.hardware)
+    result = plan(facts, hw, run)
+    chosen = result.chosen
+    k = chosen.layout.checkpointed_blocks
+    assert chosen.layout.gradient_checkpointing and 0 < k < facts.checkpoint_blocks, describe(chosen.layout)
+    assert result.checkpointed(chosen.layout) == facts.checkpoint_order()[:k]
+    assert result.checkpointed(chosen.layout)[0].startswith("double.")  # most bytes per FLOP first
+    fewer = evaluate(dataclasses.replace(chosen.layout, checkpointed_blocks=k - 1), facts, hw, run)
+    assert not fewer.fits  # the fewest that fit
+    none = evaluate(dataclasses.replace(chosen.layout, gradient_checkpointing=False, checkpointed_blocks=None),
+                    facts, hw, run)
+    every = evaluate(dataclasses.replace(chosen.layout, checkpointed_blocks=None), facts, hw, run)
+    assert not none.fits and every.fits
+    assert none.step_seconds < chosen.step_seconds < every.step_seconds
+    [line] = [r for r in result.reasons if r.startswith(f"Checkpointing {k} of 30 blocks")]
+    assert "between" in line and "without checkpointing" in line
+
+
+def test_checkpoint_blocks_is_checked_against_the_model():
+    facts = facts_with_units()
+    run = load_config(None, ["hardware.gpus=1xH100-80GB", "training.global_batch_size=1", "training.checkpoint_blocks=40"])
+    with pytest.raises(ZerotrainError, match="training.checkpoint_blocks=40: m has 30 blocks"):
+        plan(facts, hardware_facts(run.hardware), run)
+    run = load_config(None, ["hardware.gpus=1xH100-80GB", "training.global_batch_size=1",
+                             "training.checkpoint_blocks=5", "training.gradient_checkpointing=false"])
+    with pytest.raises(ZerotrainError, match="training.gradient_checkpointing is false"):
+        plan(facts, hardware_facts(run.hardware), run)
+    run = load_config(None, ["hardware.gpus=1xH100-80GB", "training.global_batch_size=1", "training.checkpoint_blocks=5"])
+    assert {c.layout.checkpointed_blocks for c in plan(facts, hardware_facts(run.hardware), run).candidates} == {5}
+
+
+def test_units_of_a_unet_and_a_dit():
+    flux = recompute.checkpoint_units(trace.build_meta_model(spec_of("tiny-flux", num_layers=2, num_single_layers=3)))
+    assert list(flux) == ["transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0",
+                          "single_transformer_blocks.1", "single_transformer_blocks.2"]
+    unet = recompute.checkpoint_units(trace.build_meta_model(spec_of("tiny-sdxl")))
+    assert "mid_block" in unet and any(n.startswith("down_blocks.") for n in unet) and any(
+        n.startswith("up_blocks.") for n in unet)
+    assert all(isinstance(m, torch.nn.Module) for m in unet.values())
+
+
+# --- the optimizer dimension (adamw-bf16) -----------------------------------------------------------
+
+
+def test_auto_optimizer_takes_adamw_bf16_only_where_adamw_does_not_fit():
+    """optimizer.name auto: fp32 AdamW wherever it fits (a tie goes to the first of
+    planner.optimizers); adamw-bf16 where only its smaller state fits. Per trainable parameter
+    without offload: 2 (bf16 weight) + 2 (gradient) + 4 + 8 bytes for adamw, 2 + 2 + 2 + 4 for
+    adamw-bf16, partitioned from ZeRO-1."""
+    from zerotrain.planner import memory
+    from zerotrain.planner.memory import Layout
+    from zerotrain.planner.search import sizes_from
+
+    facts = facts_with_units()
+    roomy = load_config(None, ["hardware.gpus=1xH100-80GB", "training.global_batch_size=1", "optimizer.name=auto"])
+    chosen = plan(facts, hardware_facts(roomy.hardware), roomy).chosen
+    assert chosen.layout.optimizer == "adamw"
+    tight = load_config(None, ["hardware.gpus=1", "hardware.gpu_memory=20GiB", "training.global_batch_size=1",
+                               "optimizer.name=auto", "planner.offload=[none]"])
+    result = plan(facts, hardware_facts(tight.hardware), tight)
+    assert result.chosen.layout.optimizer == "adamw-bf16" and result.chosen.layout.stage > 0
+    assert not any(c.fits for c in result.candidates if c.layout.optimizer == "adamw")
+    assert "adamw-bf16" in describe(result.chosen.layout)
+    s = sizes_from(facts, hardware_facts(tight.hardware), tight)
+    for stage in (1, 2, 3):
+        fp32, bf16 = Layout(stage), Layout(stage, optimizer="adamw-bf16")
+        assert memory.master_weights(fp32, s) + memory.optimizer_states(fp32, s) == 12 * 10**9
+        assert memory.master_weights(bf16, s) + memory.optimizer_states(bf16, s) == 6 * 10**9
+    # Without ZeRO DeepSpeed refuses bf16 master weights: no such candidate.
+    assert not any(c.layout.optimizer == "adamw-bf16" and c.layout.stage == 0 for c in result.candidates)
