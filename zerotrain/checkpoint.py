@@ -79,9 +79,12 @@ def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -
         g.set_state(state["generators"][name])
 
 
-def layout(engine: Any) -> dict[str, int]:
-    """What a checkpoint's DeepSpeed files depend on: how many ranks partitioned it, and how."""
-    return {"world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage()}
+def layout(engine: Any) -> dict[str, Any]:
+    """What a checkpoint's DeepSpeed files depend on: how many ranks partitioned it, how, and the
+    optimizer's master dtype (adamw-bf16 keeps bf16 masters and moments)."""
+    master = getattr(engine.optimizer, "master_weights_and_grads_dtype", torch.float32)
+    return {"world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
+            "optimizer": "adamw-bf16" if master == torch.bfloat16 else "adamw"}
 
 
 class _GuardedWrites:
@@ -348,7 +351,9 @@ def resume_stage(run: Any, checkpoint: Path) -> Any:
     loading stage's name, and ds_to_universal's optimizer_state.pt differs: KeyError
     'optimizer_state_dict', "Empty ds_version"); the number of processes may change. A run whose
     planner.stages exclude the saved stage stops with one line."""
-    stage = saved_state(checkpoint).get("zero_stage")
+    state = saved_state(checkpoint)
+    run = resume_optimizer(run, checkpoint, state.get("optimizer"))
+    stage = state.get("zero_stage")
     if stage is None or list(run.planner.stages) == [stage]:
         return run
     if stage not in run.planner.stages:
@@ -356,6 +361,18 @@ def resume_stage(run: Any, checkpoint: Path) -> Any:
                              f"excludes; a checkpoint resumes under the ZeRO stage it was saved with (on any number of "
                              f"GPUs): add {stage} to planner.stages, or start over with training.resume=none")
     return run.model_copy(update={"planner": run.planner.model_copy(update={"stages": [stage]})})
+
+
+def resume_optimizer(run: Any, checkpoint: Path, saved: str | None) -> Any:
+    """The optimizer a resume uses: the one the checkpoint was saved with (its states' dtypes are in
+    the files). optimizer.name auto takes it; another name stops with one line."""
+    if saved is None or run.optimizer.name == saved:
+        return run
+    if run.optimizer.name != "auto":
+        raise ZerotrainError(f"{checkpoint} was saved with optimizer {saved}, this run asks for {run.optimizer.name}; a "
+                             f"checkpoint resumes with the optimizer it was saved with: set optimizer.name to {saved} "
+                             "(or auto), or start over with training.resume=none")
+    return run.model_copy(update={"optimizer": run.optimizer.model_copy(update={"name": saved})})
 
 
 def needs_universal(checkpoint: Path, world_size: int, zero_stage: int) -> bool:

@@ -1,6 +1,8 @@
 """A run stopped after a checkpoint and continued with resume=auto trains exactly as one that was
-never stopped, under ZeRO 1 and 3 (ZeRO-2's resumes are test_chaos.py's five preemptions, which
-compare every step's loss with an uninterrupted run the same way).
+never stopped, under ZeRO-1 and under ZeRO-3 with adamw-bf16 (bf16 master weights and moments; the
+checkpoint records it and the resume, with optimizer.name auto, keeps it). ZeRO 2 and 3 with fp32
+AdamW resume in test_chaos.py's five preemptions, which compare every step's loss with an
+uninterrupted run the same way.
 
 For each stage (forced with planner.stages=[S], planner.offload=[none]), a full fine-tune of
 tiny-flux on two CPU ranks (gloo), global batch 2 (micro 1 per rank), on the 8 bundled images:
@@ -56,9 +58,10 @@ def exported_tensors(run_dir):
     return exported_tensors_in(run_dir / "export")
 
 
-@pytest.mark.parametrize("stage", [1, 3], ids=lambda s: f"zero{s}")
-def test_resumed_run_matches_uninterrupted_run(train, stage):
-    common = (f"planner.stages=[{stage}]", "planner.offload=[none]", "training.mode=full",
+@pytest.mark.parametrize(("stage", "optimizer"), [(1, "adamw"), (3, "adamw-bf16")], ids=["zero1", "zero3-adamw-bf16"])
+def test_resumed_run_matches_uninterrupted_run(train, stage, optimizer):
+    common = (f"planner.stages=[{stage}]", "planner.offload=[none]", "training.mode=full", "optimizer.name=auto",
+              f"planner.optimizers=[{optimizer}]",
               f"training.checkpoint_every={CHECKPOINT_AT}", "training.resume=auto",
               "ema.enabled=true", "ema.decay=0.8", "ema.start_step=1", "ema.export=true",
               "validation.prompts=[a red square]", f"validation.every={CHECKPOINT_AT}", "validation.steps=2",
@@ -72,8 +75,12 @@ def test_resumed_run_matches_uninterrupted_run(train, stage):
         in b2.log, b2.tails()
 
     for run in (a, b2):
-        zero = json.loads((run.output_dir / "deepspeed.json").read_text())["zero_optimization"]
+        written = json.loads((run.output_dir / "deepspeed.json").read_text())
+        zero = written["zero_optimization"]
         assert zero["stage"] == stage and "offload_optimizer" not in zero
+        assert written["bf16"].get("bf16_optimizer_states", False) == (optimizer == "adamw-bf16"), written["bf16"]
+        saved = json.loads((run.output_dir / "checkpoints" / f"step-{STEPS:08d}" / "zerotrain_state.json").read_text())
+        assert saved.get("optimizer") == optimizer, saved
         assert (run.output_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:08d}"
 
     records_a, records_b = a.metrics(), b2.metrics()

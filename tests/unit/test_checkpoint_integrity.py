@@ -133,3 +133,20 @@ def test_a_resume_keeps_the_zero_stage_it_was_saved_under(tmp_path):
     assert needs_universal(folder, 1, 2) and not needs_universal(folder, 2, 2)
     with pytest.raises(ZerotrainError, match="this run's DeepSpeed config uses ZeRO-3; a checkpoint resumes under"):
         needs_universal(folder, 2, 3)
+
+
+def test_a_resume_keeps_the_optimizer_it_was_saved_with(tmp_path):
+    """adamw-bf16's checkpoints hold bf16 masters and moments: optimizer.name auto resumes with it
+    (the planner could otherwise pick fp32 AdamW on more GPUs), another name stops with one line."""
+    from pathlib import Path
+
+    from zerotrain.checkpoint import resume_stage
+    from zerotrain.config import load_config
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+    folder = make_checkpoint(tmp_path, 2)
+    (folder / STATE).write_text(json.dumps({"step": 2, "world_size": 2, "zero_stage": 2, "optimizer": "adamw-bf16"}))
+    assert resume_stage(load_config(config, ["optimizer.name=auto"]), folder).optimizer.name == "adamw-bf16"
+    assert resume_stage(load_config(config, ["optimizer.name=adamw-bf16"]), folder).optimizer.name == "adamw-bf16"
+    with pytest.raises(ZerotrainError, match="saved with optimizer adamw-bf16, this run asks for adamw; a checkpoint"):
+        resume_stage(load_config(config, []), folder)
