@@ -4,7 +4,8 @@ Partial checkpointing: the planner's prediction for k of N checkpointed blocks a
 forward and backward with exactly those blocks checkpointed by the engine's code
 (Family.enable_checkpointing, zerotrain.recompute), measured with the tracer's own LiveBytesMode;
 and the search choosing the fewest blocks that fit. The optimizer dimension: the planner takes
-adamw-bf16 only where fp32 AdamW does not fit. (The engine's real bytes under adamw-bf16:
+adamw-bf16 only where fp32 AdamW does not fit. ZeRO++ on several nodes: its memory term and
+the intra/inter-node split of the traffic. (The engine's real bytes under adamw-bf16:
 tests/distributed/test_engine_bytes.py; its training: test_train_optimizers.py.)"""
 
 from __future__ import annotations
@@ -163,3 +164,33 @@ def test_auto_optimizer_takes_adamw_bf16_only_where_adamw_does_not_fit():
         assert memory.master_weights(bf16, s) + memory.optimizer_states(bf16, s) == 6 * 10**9
     # Without ZeRO DeepSpeed refuses bf16 master weights: no such candidate.
     assert not any(c.layout.optimizer == "adamw-bf16" and c.layout.stage == 0 for c in result.candidates)
+
+
+# --- ZeRO++ across nodes -------------------------------------------------------------------------
+
+
+def test_zeropp_joins_the_search_on_several_nodes_and_moves_traffic_into_the_node():
+    from zerotrain.planner import memory
+    from zerotrain.planner.search import sizes_from
+
+    facts = facts_with_units()
+    run = load_config(None, ["hardware.gpus=8xH100-80GB", "hardware.nodes=2", "training.global_batch_size=16",
+                             "planner.stages=[3]", "planner.offload=[none]", "training.gradient_checkpointing=false",
+                             "planner.zeropp=[none, hpz, hpz-qwz-qgz]"])
+    hw = hardware_facts(run.hardware)
+    result = plan(facts, hw, run)
+    by = {c.layout.zeropp: c for c in result.candidates if c.layout.micro_batch == 1}
+    assert set(by) == {"none", "hpz", "hpz-qwz-qgz"}
+    inter = {k: c.time_terms["communication (inter-node)"] for k, c in by.items()}
+    assert inter["hpz-qwz-qgz"] < inter["hpz"] < inter["none"]
+    assert by["none"].time_terms["communication (intra-node)"] == 0 < by["hpz"].time_terms["communication (intra-node)"]
+    # hpZ's secondary partition: the partitioned bf16 parameters over the node's 8 GPUs.
+    s = sizes_from(facts, hw, run)
+    assert memory.hpz_secondary(by["hpz"].layout, s) == 2 * (10**9 - s.persistent_params) // 8
+    assert by["hpz"].memory.phases["forward"] - by["none"].memory.phases["forward"] == memory.hpz_secondary(
+        by["hpz"].layout, s)
+    # One node: no ZeRO++ candidates, one communication term.
+    single = load_config(None, ["hardware.gpus=8xH100-80GB", "training.global_batch_size=16"])
+    candidates = plan(facts, hardware_facts(single.hardware), single).candidates
+    assert {c.layout.zeropp for c in candidates} == {"none"}
+    assert all("communication (inter-node)" not in c.time_terms for c in candidates)

@@ -267,6 +267,12 @@ class PlannerConfig(_Section):
     """Fraction of each GPU's memory the plan keeps free as a safety margin."""
     stages: list[Literal[0, 1, 2, 3]] = [0, 1, 2, 3]
     """ZeRO stages the search may choose from."""
+    zeropp: list[Literal["none", "hpz", "hpz-qwz-qgz"]] = ["none", "hpz"]
+    """ZeRO++ options the search may choose on several nodes (ZeRO-3 only): hpz keeps a secondary
+    bf16 partition within each node so that backward gathers stay on the node
+    (zero_hpz_partition_size; exact); hpz-qwz-qgz also all-gathers int8 weights and reduces int4
+    gradients across nodes (zero_quantized_weights, zero_quantized_gradients; CUDA kernels only),
+    which changes numerics, so it is chosen only when listed here."""
     optimizers: list[Literal["adamw", "adamw-bf16"]] = ["adamw", "adamw-bf16"]
     """What optimizer.name auto may choose, in order of preference when they are as fast: the
     others change numerics, so the planner takes one only where it fits and adamw does not, or

@@ -45,6 +45,10 @@ def deepspeed_config(layout: Layout, run: RunConfig, world_size: int) -> dict[st
             # Save a loadable 16-bit model, not size-0 tensors (kohya#1782).
             "stage3_gather_16bit_weights_on_model_save": True,
         })
+        if layout.zeropp != "none":
+            zero["zero_hpz_partition_size"] = world_size // run.hardware.nodes
+        if layout.zeropp == "hpz-qwz-qgz":
+            zero.update({"zero_quantized_weights": True, "zero_quantized_gradients": True})
     nvme_path = str(run.hardware.nvme_path) if run.hardware.nvme_path else None
     if layout.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": layout.offload_optimizer, "pin_memory": True}

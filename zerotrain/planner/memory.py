@@ -43,6 +43,9 @@ class Layout:
     """With gradient_checkpointing: the first this many blocks of ModelFacts.checkpoint_order()
     (partial checkpointing); None: every block."""
     optimizer: str = "adamw"
+    zeropp: str = "none"
+    """ZeRO-3 across nodes: none, hpz (secondary partition per node) or hpz-qwz-qgz (and quantized
+    weight gathers and gradient reductions)."""
     """adamw (fp32 master weights and moments) or adamw-bf16 (bf16 master weights, gradients and
     moments: DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states, ZeRO 1-3)."""
 
@@ -159,6 +162,23 @@ def gathered_params(layout: Layout, s: Sizes, b: Buffers) -> int:
     kept = reuse + s.largest_layer_params if reuse else 0
     prefetch = min(b.stage3_prefetch_bucket_size, b.stage3_max_live_parameters)
     return LP * min(_partitioned_params(s), kept + s.largest_layer_params + prefetch)
+
+
+def hpz_secondary(layout: Layout, s: Sizes) -> int:
+    """ZeRO++ hpZ: each GPU keeps a second bf16 partition of the partitioned parameters over its
+    node's GPUs (partition_parameters.py ds_secondary_tensor, numel = the partition x the number of
+    groups), so that backward gathers them within the node."""
+    if layout.zeropp == "none" or layout.stage != 3:
+        return 0
+    return LP * _partitioned_params(s) // max(s.gpus_per_node, 1)
+
+
+def quantized_gather(layout: Layout, s: Sizes, b: Buffers) -> int:
+    """ZeRO++ qwZ: the int8 copy of what is being gathered, beside the bf16 result (one byte per
+    gathered element, block scales aside). An estimate from the format, to be calibrated on GPUs."""
+    if layout.zeropp != "hpz-qwz-qgz":
+        return 0
+    return gathered_params(layout, s, b) // LP
 
 
 def unreduced_gradient(layout: Layout, s: Sizes) -> int:
@@ -295,6 +315,7 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
         "fp32 master": master_weights(layout, s),
         "optimizer states": optimizer_states(layout, s),
         "buffers": s.buffer_bytes,
+        "hpz secondary params": hpz_secondary(layout, s),
     }
     grads = lp_grads(layout, s)
     gathered = gathered_params(layout, s, b)
@@ -307,6 +328,7 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
     phase_terms = {
         "init": {**after_init, **resident, "init transient": init_transient(layout, s, b)},
         "forward": {**states, "bf16 grads": grads, **resident, "gathered params": gathered,
+                    "quantized gather": quantized_gather(layout, s, b),
                     "activations": activation_peak, "inputs": input_bytes},
         "backward": {**states, "bf16 grads": grads, "gathered params": gathered,
                      "unreduced gradient": unreduced_gradient(layout, s), "reduce buckets": buckets,

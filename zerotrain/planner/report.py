@@ -31,7 +31,7 @@ def best_per_layout(candidates: list[Candidate]) -> list[Candidate]:
     best: dict[tuple, Candidate] = {}
     for c in candidates:
         key = (c.layout.stage, c.layout.offload_optimizer, c.layout.offload_param, c.layout.gradient_checkpointing,
-               c.layout.checkpointed_blocks, c.layout.optimizer)
+               c.layout.checkpointed_blocks, c.layout.optimizer, c.layout.zeropp)
         current = best.get(key)
         rank = (c.fits, c.images_per_second if c.fits else -c.memory.device_total)
         if current is None or rank > (current.fits, current.images_per_second if current.fits
@@ -55,14 +55,15 @@ def print_plan(p: Plan, facts: ModelFacts, show_all: bool = False, seconds: floa
              f"{'' if p.quantize == 'none' else ' over ' + p.quantize}, global batch {p.global_batch} "
              f"on {p.hardware}")
     table = Table(title=title, title_justify="left")
-    for column in ("", "ZeRO / offload", "optimizer", "ckpt", "micro x accum", "GiB/GPU", "largest terms", "host GiB/node",
+    for column in ("", "ZeRO / offload", "ZeRO++", "optimizer", "ckpt", "micro x accum", "GiB/GPU", "largest terms", "host GiB/node",
                    "images/s", "verdict"):
         table.add_column(column, justify="right" if column in ("GiB/GPU", "host GiB/node", "images/s") else "left")
     rows = p.candidates if show_all else best_per_layout(p.candidates)
     for c in rows:
         terms = sorted(c.memory.terms.items(), key=lambda kv: -kv[1])[:TOP_TERMS]
         table.add_row(
-            "*" if c is p.chosen else "", c.layout.label(), c.layout.optimizer, checkpointed(c, facts),
+            "*" if c is p.chosen else "", c.layout.label(), c.layout.zeropp, c.layout.optimizer,
+            checkpointed(c, facts),
             f"{c.layout.micro_batch} x {c.layout.accumulation}", f"{c.memory.device_total / 2**30:.1f}",
             ", ".join(f"{k} {v / 2**30:.1f}" for k, v in terms), f"{c.memory.host_per_node / 2**30:.0f}",
             f"{c.images_per_second:.2f}", "fits" if c.fits else c.rejected or "",

@@ -154,11 +154,14 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
     else:
         micros = [training.micro_batch_size]
     optimizers = run.planner.optimizers if run.optimizer.name == "auto" else [run.optimizer.name]
+    # ZeRO++ splits ZeRO-3's traffic between the node and the network: several nodes only.
+    zeropp = run.planner.zeropp if hw.nodes > 1 and hw.gpus_per_node > 1 else ["none"]
     return [
-        Layout(stage, opt, param, gc, micro, per_rank_batch // micro, blocks, optimizer)
+        Layout(stage, opt, param, gc, micro, per_rank_batch // micro, blocks, optimizer, plus)
         for stage, options in offloads.items() for opt, param in options
         for gc, blocks in checkpointing for micro in micros
         for optimizer in optimizers if stage > 0 or optimizer == "adamw"  # bf16 masters need ZeRO 1-3
+        for plus in (zeropp if stage == 3 else ["none"])
     ]
 
 
@@ -188,16 +191,30 @@ def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, ru
         hw.intra_node_bandwidth, hw.inter_node_bandwidth / hw.gpus_per_node)
     grads = LP * s.trainable_params
     shardable = grads + (s.frozen_bytes if s.frozen_shardable else 0)
+    local = 0.0  # bytes of collectives within one node (ZeRO++'s), at the node's bandwidth
     if layout.stage <= 1:
         traffic = 2 * ring * grads  # one all-reduce at the accumulation boundary
     elif layout.stage == 2:
         traffic = ring * grads * layout.accumulation  # reduce-scatter every micro-step
-    else:
+    elif layout.zeropp == "none":
         gathers = 2 + recomputed_fraction(layout, facts)  # forward, backward, recompute
         traffic = ring * (gathers * shardable + grads) * layout.accumulation
+    else:
+        # ZeRO++ (arXiv 2306.10209): the forward gather spans the nodes (int8 with qwZ, half the
+        # bytes); backward and recompute gather the secondary partition within the node (hpZ);
+        # gradients reduce within the node, then across nodes (int4 with qgZ, a quarter).
+        quantized = layout.zeropp == "hpz-qwz-qgz"
+        g = hw.gpus_per_node
+        traffic = ring * ((0.5 if quantized else 1.0) * shardable + (0.25 if quantized else 1.0) * grads)
+        local = (g - 1) / g * ((1 + recomputed_fraction(layout, facts)) * shardable + grads)
+        traffic, local = traffic * layout.accumulation, local * layout.accumulation
     if layout.stage in (1, 2):
         traffic += ring * grads  # all-gather of the updated partitions
-    terms = {"compute": compute, "communication": traffic / bandwidth if n > 1 else 0.0}
+    if hw.nodes > 1:
+        terms = {"compute": compute, "communication (inter-node)": traffic / bandwidth,
+                 "communication (intra-node)": local / hw.intra_node_bandwidth}
+    else:
+        terms = {"compute": compute, "communication": traffic / bandwidth if n > 1 else 0.0}
     per_rank = s.trainable_params / n
     if layout.offload_optimizer != "none":
         # gradients down every micro-step, updated bf16 parameters up once per step
@@ -400,6 +417,8 @@ def describe(layout: Layout) -> str:
         gc = f"checkpointing {layout.checkpointed_blocks} blocks"
     if layout.optimizer != "adamw":
         gc = f"{layout.optimizer}, {gc}"
+    if layout.zeropp != "none":
+        gc = f"ZeRO++ {layout.zeropp}, {gc}"
     return f"{layout.label()}, {gc}, micro-batch {layout.micro_batch} x accumulation {layout.accumulation}"
 
 
