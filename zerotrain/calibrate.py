@@ -406,8 +406,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
             if topo.is_main:
                 print(f"calibrate: {row['config']} ...", file=sys.stderr, flush=True)
             try:
-                blocks = result.checkpointed(layout)
-                measured = run_layout(layout, spec, trial, topo, device, args.steps, True if blocks is None else blocks)
+                measured = run_layout(layout, spec, trial, topo, device, args.steps, result.checkpointed(layout))
             except torch.OutOfMemoryError as err:
                 row["status"] = f"oom: {' '.join(str(err).split())[:120]}"
                 measured = None

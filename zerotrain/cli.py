@@ -131,7 +131,7 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
             # Checkpointing is the run config's, not DeepSpeed's: say what to set beside this file.
             layout = result.chosen.layout
             training = {"gradient_checkpointing": layout.gradient_checkpointing}
-            if layout.gradient_checkpointing and result.checkpointed(layout) is not None:
+            if layout.gradient_checkpointing and result.checkpointed(layout) is not True:
                 training["checkpoint_blocks"] = layout.checkpointed_blocks
             write_config(config, args.write_config, {"command": reproducible_command(argv), "plan": result.reasons,
                                                      "training": training})

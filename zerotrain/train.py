@@ -124,9 +124,10 @@ def _plan_here(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, obje
     checkpointing = run.training.gradient_checkpointing
     options = [False, True] if checkpointing == "auto" else [checkpointing]
     blocks = run.training.checkpoint_blocks
-    evaluated = [evaluate(dataclasses.replace(layout_of(config, True), checkpointed_blocks=blocks), facts, hw, run)]
     if blocks is None:
         evaluated = [evaluate(layout_of(config, gc), facts, hw, run) for gc in options]
+    else:
+        evaluated = [evaluate(dataclasses.replace(layout_of(config, True), checkpointed_blocks=blocks), facts, hw, run)]
     used = next((c for c in evaluated if c.fits), evaluated[-1])
     result.reasons.append(f"{given[1]} is used as given: {describe(used.layout)}, predicted "
                           f"{gib(used.memory.device_total)} per GPU")
@@ -281,8 +282,7 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
               "host RAM; plan with planner.pinned_exact_above_mib: null, or upgrade torch", file=sys.stderr, flush=True)
     write_run_folder(run, ds_config, plan_result, topo)
     micro, accumulation = layout.micro_batch, layout.accumulation
-    blocks = plan_result.checkpointed(layout)
-    checkpointing = True if blocks is None else blocks  # every block, or the named ones (none: [])
+    checkpointing = plan_result.checkpointed(layout)  # every block (True), the named ones, or none ([])
 
     # Data: build or top up the cache (the encoders are freed before the model loads).
     prepared = prepare(run, spec, topo, device)

@@ -85,12 +85,13 @@ class Plan:
     checkpoint_order: list[str] = field(default_factory=list)
     """The blocks partial checkpointing takes, best first (ModelFacts.checkpoint_order)."""
 
-    def checkpointed(self, layout: Layout) -> list[str] | None:
-        """The blocks a layout checkpoints: None for every one, [] for none."""
+    def checkpointed(self, layout: Layout) -> bool | list[str]:
+        """What a layout checkpoints, as engine.apply_mode takes it: True for every block, the
+        names of some, or [] for none."""
         if not layout.gradient_checkpointing:
             return []
         if layout.checkpointed_blocks is None or layout.checkpointed_blocks >= len(self.checkpoint_order):
-            return None
+            return True
         return self.checkpoint_order[:layout.checkpointed_blocks]
 
     def to_json(self) -> dict[str, Any]:

@@ -304,7 +304,7 @@ def _extrapolate(base: ActivationFacts, slopes: list[tuple[ActivationFacts, int]
 def trace_by_blocks(
     model: torch.nn.Module, inputs: dict[str, Any], gradient_checkpointing: bool,
     saved_inputs_of: tuple[type, ...] = (), prediction: Any = None,
-) -> tuple[ActivationFacts, dict[tuple[str, ...], ActivationFacts]]:
+) -> tuple[ActivationFacts, dict[tuple[str, ...], tuple[int, float]]]:
     """trace_activations on a reduced-depth model, extrapolated to the full depth.
 
     Repeated blocks of a DiT (Flux's 19 + 38, SD3's 38) cost the same per block, so the model
@@ -331,28 +331,25 @@ def trace_by_blocks(
             with keep_blocks(model, keep):
                 more = trace_activations(model, inputs, gradient_checkpointing, saved_inputs_of, prediction)
             slopes.append((more, len(group) - 1))
-            increments[tuple(f"{name}.{i}" for i in group)] = ActivationFacts(
-                saved_bytes=more.saved_bytes - base.saved_bytes, forward_peak_bytes=0, backward_peak_bytes=0,
-                flops=more.flops - base.flops)
+            increments[tuple(f"{name}.{i}" for i in group)] = (more.saved_bytes - base.saved_bytes,
+                                                                more.flops - base.flops)
     return _extrapolate(base, slopes), increments
 
 
 def checkpoint_costs(
     model: torch.nn.Module, inputs: dict[str, Any], none: ActivationFacts,
-    increments: tuple[dict[tuple[str, ...], ActivationFacts], dict[tuple[str, ...], ActivationFacts]],
+    plain: dict[tuple[str, ...], tuple[int, float]], checkpointed: dict[tuple[str, ...], tuple[int, float]],
     saved_inputs_of: tuple[type, ...] = (), prediction: Any = None,
 ) -> list[CheckpointUnit]:
     """What checkpointing each block frees and costs, best first (most bytes freed per FLOP
     recomputed); blocks whose checkpointing frees nothing are left out. Repeated DiT blocks: a
-    group's increment without checkpointing less its increment with (increments, from
+    group's increment without checkpointing less its increment with (plain and checkpointed, from
     trace_by_blocks). Otherwise (UNet blocks, short block lists): the model traced with that one
     unit checkpointed, against `none`. Partial checkpointing needs at least two blocks to choose from."""
-    plain, checkpointed = increments
     units = []
     if plain:
-        for names, more in plain.items():
-            units.append(CheckpointUnit(list(names), more.saved_bytes - checkpointed[names].saved_bytes,
-                                        checkpointed[names].flops - more.flops))
+        for names, (saved, flops) in plain.items():
+            units.append(CheckpointUnit(list(names), saved - checkpointed[names][0], checkpointed[names][1] - flops))
     else:
         for name in recompute.checkpoint_units(model):
             alone = trace_activations(model, inputs, [name], saved_inputs_of, prediction)
@@ -462,7 +459,7 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
     saved_inputs_of = (torch.nn.Linear, torch.nn.Conv2d) if quantize is not Quantization.none else ()
     no_gc, plain = trace_by_blocks(model, inputs, False, saved_inputs_of, family.prediction)
     gc, checkpointed = trace_by_blocks(model, inputs, True, saved_inputs_of, family.prediction)
-    units = checkpoint_costs(model, inputs, no_gc, (plain, checkpointed), saved_inputs_of, family.prediction)
+    units = checkpoint_costs(model, inputs, no_gc, plain, checkpointed, saved_inputs_of, family.prediction)
     facts = ModelFacts(
         model=spec.name, class_name=spec.class_name, family=spec.family, resolution=resolution,
         mode=run.training.mode.value, quantize=quantize.value,
