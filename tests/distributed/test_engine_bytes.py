@@ -306,9 +306,11 @@ def test_offloaded_bytes_match_planner_host_buffers(engine_bytes, planner, stage
     assert not errors, "\n".join(errors)
 
 
-# DeepSpeed's own bookkeeping tensors in the measured windows (80 B in a save at ZeRO 0-2, up to
-# 800 B at ZeRO-3) and ZeRO-3's partition padding (world - 1 elements per parameter).
-TRANSIENT_SLACK = 1024
+# DeepSpeed's own bookkeeping tensors in the measured windows (80 B in a save at ZeRO 0-2; at
+# ZeRO-3 up to 1,044 B over the planner's 10 KB save term, in 2 of 5 runs: 1 KB failed CI now and
+# then) and ZeRO-3's partition padding (world - 1 elements per parameter). Still far below a
+# missing or doubled term (10 KB and more here).
+TRANSIENT_SLACK = 2048
 
 
 def transient_slack(name: str, predicted: int, optimizer: str) -> int:
