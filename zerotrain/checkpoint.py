@@ -47,6 +47,7 @@ import torch
 
 from zerotrain.distributed import Topology, accelerator, all_ok, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
+from zerotrain.planner.memory import CLIENT_OPTIMIZERS
 
 LATEST = "latest"
 STATE = "zerotrain_state.json"
@@ -81,10 +82,11 @@ def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -
 
 def layout(engine: Any) -> dict[str, Any]:
     """What a checkpoint's DeepSpeed files depend on: how many ranks partitioned it, how, and the
-    optimizer's master dtype (adamw-bf16 keeps bf16 masters and moments)."""
-    master = getattr(engine.optimizer, "master_weights_and_grads_dtype", torch.float32)
+    optimizer (optimizer.name: its states' layout and dtypes)."""
+    from zerotrain.optimizers import name_of
+
     return {"world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
-            "optimizer": "adamw-bf16" if master == torch.bfloat16 else "adamw"}
+            "optimizer": name_of(engine.optimizer)}
 
 
 class _GuardedWrites:
@@ -385,7 +387,14 @@ def needs_universal(checkpoint: Path, world_size: int, zero_stage: int) -> bool:
                              f"uses ZeRO-{zero_stage}; a checkpoint resumes under the ZeRO stage it was saved with "
                              f"(on any number of GPUs): set zero_optimization.stage to {state['zero_stage']}, or "
                              "start over with training.resume=none")
-    return state.get("world_size") != world_size
+    if state.get("world_size") == world_size:
+        return False
+    if state.get("optimizer") in CLIENT_OPTIMIZERS:
+        raise ZerotrainError(f"{checkpoint} was saved by {state['world_size']} process(es) with optimizer "
+                             f"{state['optimizer']}, whose state DeepSpeed cannot convert for {world_size}: its universal "
+                             "checkpoints know only its own AdamW's per-parameter state. Resume it on "
+                             f"{state['world_size']} GPU(s), or start over with training.resume=none")
+    return True
 
 
 def make_universal(checkpoint: Path, topo: Topology) -> Path:

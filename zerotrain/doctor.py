@@ -343,9 +343,14 @@ def _deepspeed_facts() -> dict[str, Any]:
 def _needed_ops(layout: Any) -> dict[str, str]:
     """The ops the planned DeepSpeed config loads, and why: DeepSpeed's AdamW is FusedAdam on the
     accelerator and DeepSpeedCPUAdam when the optimizer is offloaded (engine.get_optimizer_configuration);
-    NVMe offload swaps through async_io."""
-    needed = {"fused_adam": "AdamW on the accelerator"} if layout.offload_optimizer == "none" else {
-        "cpu_adam": f"AdamW on the CPU (optimizer offloaded to {layout.offload_optimizer})"}
+    NVMe offload swaps through async_io. A client optimizer (adamw-8bit, adafactor) needs none:
+    bitsandbytes and transformers bring their own."""
+    if layout.optimizer in ("adamw-8bit", "adafactor"):
+        needed = {}
+    elif layout.offload_optimizer == "none":
+        needed = {"fused_adam": "AdamW on the accelerator"}
+    else:
+        needed = {"cpu_adam": f"AdamW on the CPU (optimizer offloaded to {layout.offload_optimizer})"}
     if "nvme" in (layout.offload_optimizer, layout.offload_param):
         needed["async_io"] = "NVMe offload"
     return needed

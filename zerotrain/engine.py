@@ -15,17 +15,20 @@ the device once and replicated, as the planner assumes (Sizes.frozen_shardable).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zerotrain import families
+from zerotrain import families, optimizers
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import ModelSpec
+from zerotrain.planner.deepspeed_json import client_optimizer_of
 
 
 def load_denoiser(spec: ModelSpec, folder: Path) -> torch.nn.Module:
@@ -143,18 +146,60 @@ def make_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig) -> torch.op
 
 def build_engine(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig, device: torch.device) -> Any:
     """deepspeed.initialize with the trainable parameters; DeepSpeed builds AdamW (CPU Adam when
-    the optimizer is offloaded) and steps the LR schedule at every optimizer step. A quantized
+    the optimizer is offloaded), or zerotrain a client optimizer the config names under "_zerotrain"
+    (zerotrain/optimizers.py), and DeepSpeed steps the LR schedule at every optimizer step. A quantized
     model is moved to `device` here and given to DeepSpeed as a TrainableView (see denoiser())."""
-    import deepspeed
-
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ZerotrainError("nothing to train: no parameter requires a gradient (check training.lora.target_modules)")
     if run.training.quantize_base is not Quantization.none:
         model = TrainableView(model.to(device))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config,
-                                           lr_scheduler=partial(make_scheduler, run=run))
+    engine, _, _, _ = initialize(model, trainable, ds_config, lr_scheduler=partial(make_scheduler, run=run))
     return engine
+
+
+def initialize(model: torch.nn.Module, trainable: list[torch.nn.Parameter], ds_config: dict[str, Any],
+               **kwargs: Any) -> tuple[Any, ...]:
+    """deepspeed.initialize as zerotrain calls it: with the client optimizer the config names under
+    "_zerotrain" (built here; DeepSpeed gets the config without that key), and ZeRO-3 sharing its
+    bf16 partitions as bf16 masters (zero3_shares_bf16_masters)."""
+    import deepspeed
+
+    settings = ds_config["_zerotrain"]["optimizer"] if client_optimizer_of(ds_config) else None
+    optimizer = optimizers.build(settings, trainable) if settings else None
+    config = {k: v for k, v in ds_config.items() if k != "_zerotrain"}
+    with zero3_shares_bf16_masters():
+        return deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer, config=config,
+                                    **kwargs)
+
+
+@contextlib.contextmanager
+def zero3_shares_bf16_masters() -> Iterator[None]:
+    """ZeRO-3 means to use a sub-group's bf16 partition itself as its master weights when the
+    partition already has the master dtype and sits on the optimizer's device (stage3.py
+    _create_fp32_partitions, "we don't need another copy"), as with bf16 masters and the parameters
+    on the GPU. DeepSpeed 0.19.8 compares the partition's torch.device with its own device, which it
+    keeps as the accelerator's device name, a string: never equal, so it always copies, 2 bytes per
+    trainable parameter. While that method runs, the name is given as the torch.device it names;
+    everything else DeepSpeed does with it is unchanged."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
+
+    def create(self: Any) -> Any:
+        name = self.device
+        if isinstance(name, str) and not self.offload_optimizer:
+            self.device = torch.device(name)
+        try:
+            return original(self)
+        finally:
+            self.device = name
+
+    DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = original
 
 
 def cpu_adam_unavailable() -> str | None:

@@ -32,6 +32,8 @@ INTER_NODE = 25e9
 # Dense bf16 tensor FLOP/s assumed for a GPU we have no profile for; below every data-center card in
 # the table so that a time estimate errs long rather than short.
 GENERIC_PEAK = 100e12
+# GPU memory bandwidth assumed for a GPU without a profile: below every card in the table but the L4.
+GENERIC_MEMORY_BANDWIDTH = 500e9
 # Host RAM per GPU for cards sold in workstations and PCIe servers: a single-card workstation commonly
 # has 64 GiB; AWS g6/g6e 8-GPU nodes have 96-192 GiB per GPU. We take the low end.
 PCIE_HOST_PER_GPU = 64 * GiB
@@ -52,24 +54,26 @@ class GPUProfile:
     host_to_device_bandwidth: float  # bytes/s, one direction
     host_memory_per_gpu: int  # typical node RAM divided by its GPU count; a node gets count x this
     nvml_pattern: str  # regex on the NVML device name; the patterns of the table are mutually exclusive
+    memory_bandwidth: float = GENERIC_MEMORY_BANDWIDTH  # bytes/s of the GPU's own memory (datasheet)
 
 
 # Memory: nvidia-smi "MiB" totals seen on real cards. FLOP/s: NVIDIA datasheets (Ampere GA102 and Ada
 # whitepapers for the GeForce cards), dense figures. NVLink: A100 NVLink3 600 GB/s and H100/H200 NVLink4
 # 900 GB/s total, halved for one direction. Host RAM: DGX A100 ships 1 TB for 8 GPUs, DGX H200 2 TB;
 # DGX H100 ships 2 TB but cloud 8xH100 nodes vary, so H100 takes the DGX A100 figure.
+# Memory bandwidth: the same datasheets (HBM2e/HBM3/HBM3e, GDDR6/6X).
 PROFILES: dict[str, GPUProfile] = {p.name: p for p in (
-    GPUProfile("A100-40GB", 40960 * MiB, 312e12, 300e9, PCIE4, 128 * GiB, r"A100(?!.*80GB)"),
-    GPUProfile("A100-80GB", 81920 * MiB, 312e12, 300e9, PCIE4, 128 * GiB, r"A100.*80GB"),
-    GPUProfile("H100-80GB", 81559 * MiB, 989e12, 450e9, PCIE5, 128 * GiB, r"H100(?!.*PCIe)"),
+    GPUProfile("A100-40GB", 40960 * MiB, 312e12, 300e9, PCIE4, 128 * GiB, r"A100(?!.*80GB)", 1555e9),
+    GPUProfile("A100-80GB", 81920 * MiB, 312e12, 300e9, PCIE4, 128 * GiB, r"A100.*80GB", 2039e9),
+    GPUProfile("H100-80GB", 81559 * MiB, 989e12, 450e9, PCIE5, 128 * GiB, r"H100(?!.*PCIe)", 3350e9),
     # H100 PCIe datasheet: 756 TFLOP/s bf16 dense; no NVLink unless bridged in pairs.
-    GPUProfile("H100-PCIe-80GB", 81559 * MiB, 756e12, PCIE5, PCIE5, 128 * GiB, r"H100.*PCIe"),
-    GPUProfile("H200-141GB", 143771 * MiB, 989e12, 450e9, PCIE5, 256 * GiB, r"H200"),
-    GPUProfile("RTX4090-24GB", 24564 * MiB, 165.2e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"RTX 4090"),
-    GPUProfile("RTX3090-24GB", 24576 * MiB, 71e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"RTX 3090"),
-    GPUProfile("L40S-48GB", 46068 * MiB, 362e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"L40S"),
-    GPUProfile("L4-24GB", 23034 * MiB, 121e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"\bL4\b"),
-    GPUProfile("A10-24GB", 23028 * MiB, 125e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"\bA10\b"),
+    GPUProfile("H100-PCIe-80GB", 81559 * MiB, 756e12, PCIE5, PCIE5, 128 * GiB, r"H100.*PCIe", 2000e9),
+    GPUProfile("H200-141GB", 143771 * MiB, 989e12, 450e9, PCIE5, 256 * GiB, r"H200", 4800e9),
+    GPUProfile("RTX4090-24GB", 24564 * MiB, 165.2e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"RTX 4090", 1008e9),
+    GPUProfile("RTX3090-24GB", 24576 * MiB, 71e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"RTX 3090", 936e9),
+    GPUProfile("L40S-48GB", 46068 * MiB, 362e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"L40S", 864e9),
+    GPUProfile("L4-24GB", 23034 * MiB, 121e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"\bL4\b", 300e9),
+    GPUProfile("A10-24GB", 23028 * MiB, 125e12, PCIE4, PCIE4, PCIE_HOST_PER_GPU, r"\bA10\b", 600e9),
 )}
 
 _SPEC_RE = re.compile(r"^\s*(\d+)\s*x\s*(\S.*?)\s*$", re.IGNORECASE)
@@ -108,6 +112,7 @@ class HardwareFacts:
     host_to_device_bandwidth: float
     source: str
     gpus: tuple[GPUInfo, ...] = ()
+    memory_bandwidth: float = GENERIC_MEMORY_BANDWIDTH
 
     @property
     def world_size(self) -> int:
@@ -305,7 +310,7 @@ def hardware_facts(config: HardwareConfig, nvml: Any = None,
         gpu_free_bytes=free, host_memory_bytes=host, nvme_free_bytes=_nvme_free(config),
         peak_bf16_flops=profile.peak_bf16_flops, intra_node_bandwidth=profile.intra_node_bandwidth,
         inter_node_bandwidth=INTER_NODE, host_to_device_bandwidth=profile.host_to_device_bandwidth,
-        source=source, gpus=gpus,
+        source=source, gpus=gpus, memory_bandwidth=profile.memory_bandwidth,
     )
 
 

@@ -46,6 +46,10 @@ HIDDEN_RECORDS: list[tuple[str, str]] = [
     # Loading a universal checkpoint (another world size or stage): zerotrain uses no tensor
     # parallelism, so a tensor-parallel size of 1 is what it has.
     ("DeepSpeed", r"MPU is not provided, setting tp size to 1 in checkpoint loading"),
+    # bitsandbytes 0.50 on a CPU with AVX512-BF16, whenever it is imported (transformers imports it
+    # when installed): its optional 4-bit matmul kernel from the `kernels` package is missing.
+    # zerotrain uses only its 8-bit optimizer (adamw-8bit), never 4-bit matmuls.
+    ("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community"),
 ]
 
 # Lines that libraries print() or draw with tqdm, which no logger or warning filter reaches,

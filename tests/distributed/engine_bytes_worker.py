@@ -227,6 +227,7 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     import deepspeed.comm
 
     from zerotrain.config.sections import RunConfig
+    from zerotrain.engine import initialize
     from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
     from zerotrain.planner.deepspeed_json import deepspeed_config
@@ -256,7 +257,7 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
 
     gc.collect()  # what earlier cases left for the collector is not freed inside the window
     (engine, _, _, _), init_peak, init_end = allocator_window(
-        lambda: deepspeed.initialize(model=model, model_parameters=trainable, config=config))
+        lambda: initialize(model, trainable, config))
     zero = engine.optimizer
     basic = zero.optimizer
 

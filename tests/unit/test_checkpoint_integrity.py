@@ -150,3 +150,18 @@ def test_a_resume_keeps_the_optimizer_it_was_saved_with(tmp_path):
     assert resume_stage(load_config(config, ["optimizer.name=adamw-bf16"]), folder).optimizer.name == "adamw-bf16"
     with pytest.raises(ZerotrainError, match="saved with optimizer adamw-bf16, this run asks for adamw; a checkpoint"):
         resume_stage(load_config(config, []), folder)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-8bit", "adafactor"])
+def test_a_client_optimizer_checkpoint_resumes_on_its_own_world_size_only(tmp_path, optimizer):
+    """DeepSpeed's universal checkpoints know only its AdamW's per-parameter state: a bitsandbytes
+    or Adafactor checkpoint resumes on the number of processes that saved it, and another number
+    stops with one line before any conversion."""
+    from zerotrain.checkpoint import needs_universal
+
+    folder = make_checkpoint(tmp_path, 2)
+    (folder / STATE).write_text(json.dumps({"step": 2, "world_size": 2, "zero_stage": 2, "optimizer": optimizer}))
+    assert not needs_universal(folder, 2, 2)
+    with pytest.raises(ZerotrainError, match=rf"saved by 2 process\(es\) with optimizer {optimizer}, whose state "
+                                             r"DeepSpeed cannot convert for 4: .* Resume it on 2 GPU\(s\)"):
+        needs_universal(folder, 4, 2)

@@ -90,6 +90,30 @@ def test_layout_of_reads_stage_offload_and_batch():
     assert layout_of(complete_given({}, "x", run_with(), 2, 2), False).stage == 0
 
 
+def test_the_optimizer_of_a_config_is_read_back_and_a_client_one_filled_in():
+    """DeepSpeed's own AdamW has an "optimizer" section (bf16 master flags: adamw-bf16); a client
+    optimizer (adamw-8bit, adafactor) has none, zero_allow_untested_optimizer, and its name and
+    settings under "_zerotrain", which DeepSpeed's own config class accepts."""
+    from zerotrain.planner.deepspeed_json import deepspeed_config, validate
+    from zerotrain.planner.memory import Layout
+
+    run = run_with("optimizer.lr=3e-4")
+    for name in ("adamw", "adamw-bf16", "adamw-8bit", "adafactor"):
+        config = deepspeed_config(Layout(2, micro_batch=1, accumulation=8, optimizer=name), run, 1)
+        validate(config)
+        assert layout_of(config, False).optimizer == name
+        assert ("optimizer" in config) == (name in ("adamw", "adamw-bf16"))
+        if name in ("adamw-8bit", "adafactor"):
+            assert config["zero_allow_untested_optimizer"] is True
+            assert config["_zerotrain"]["optimizer"]["name"] == name
+            assert config["_zerotrain"]["optimizer"]["params"]["lr"] == 3e-4
+    given = complete_given({"zero_optimization": {"stage": 3}}, "x", run_with("optimizer.name=adamw-8bit"), 2, 1)
+    assert "optimizer" not in given and layout_of(given, True).optimizer == "adamw-8bit"
+    assert given["bf16"]["bf16_master_weights_and_grads"] is True
+    with pytest.raises(ZerotrainError, match="x has an optimizer section, and optimizer.name=adafactor asks for"):
+        complete_given({"optimizer": {"type": "Adam"}}, "x", run_with("optimizer.name=adafactor"), 2, 1)
+
+
 def test_given_config_reads_files_inline_and_auto(tmp_path):
     assert given_config(run_with()) is None
     inline = given_config(run_with('deepspeed={"zero_optimization": {"stage": 2}}'))

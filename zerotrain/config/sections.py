@@ -207,13 +207,21 @@ class ObjectiveConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw", "adamw-bf16", "auto"] = "adamw"
-    """adamw: AdamW with fp32 master weights and moments (16 bytes per trainable parameter with
-    the bf16 weights and gradients). adamw-bf16: DeepSpeed's bf16 master weights, gradients and
-    moments (bf16.bf16_master_weights_and_grads, bf16_optimizer_states: 10 bytes; ZeRO 1-3
-    only), with no stochastic rounding, so an update below a weight's bf16
-    resolution (about 1/256 of it) is lost. auto: the planner chooses among planner.optimizers
-    (the first listed wins a tie). DeepSpeed's CPU Adam steps an offloaded optimizer."""
+    name: Literal["adamw", "adamw-bf16", "adamw-8bit", "adafactor", "auto"] = "adamw"
+    """adamw: DeepSpeed's AdamW with fp32 master weights and moments (16 bytes per trainable
+    parameter with the bf16 weights and gradients). The others keep DeepSpeed's bf16 master weights
+    and gradients (bf16.bf16_master_weights_and_grads, bf16_optimizer_states; ZeRO 1-3 only) with
+    no stochastic rounding, so an update below a weight's bf16 resolution (about 1/256 of it) is
+    lost:
+    - adamw-bf16: DeepSpeed's AdamW with bf16 moments (10 bytes);
+    - adamw-8bit: bitsandbytes' AdamW8bit, blockwise 8-bit moments (about 8 bytes; optimizer on the
+      GPU only);
+    - adafactor: transformers' Adafactor without first moment, its second moment fp32 and
+      unfactored, since DeepSpeed hands it flat partitions (10 bytes; optimizer on the GPU only;
+      optimizer.lr is its fixed learning rate, betas and eps do not apply).
+    adamw-8bit and adafactor checkpoints resume on the same number of GPUs only. auto: the planner
+    chooses among planner.optimizers (the first listed wins a tie). DeepSpeed's CPU Adam steps an
+    offloaded optimizer."""
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -273,7 +281,8 @@ class PlannerConfig(_Section):
     (zero_hpz_partition_size; exact); hpz-qwz-qgz also all-gathers int8 weights and reduces int4
     gradients across nodes (zero_quantized_weights, zero_quantized_gradients; CUDA kernels only),
     which changes numerics, so it is chosen only when listed here."""
-    optimizers: list[Literal["adamw", "adamw-bf16"]] = ["adamw", "adamw-bf16"]
+    optimizers: list[Literal["adamw", "adamw-bf16", "adamw-8bit", "adafactor"]] = [
+        "adamw", "adamw-bf16", "adamw-8bit", "adafactor"]
     """What optimizer.name auto may choose, in order of preference when they are as fast: the
     others change numerics, so the planner takes one only where it fits and adamw does not, or
     is faster."""

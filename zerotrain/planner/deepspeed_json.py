@@ -13,7 +13,7 @@ from typing import Any
 
 from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.planner.memory import Layout
+from zerotrain.planner.memory import CLIENT_OPTIMIZERS, Layout
 
 
 def deepspeed_config(layout: Layout, run: RunConfig, world_size: int) -> dict[str, Any]:
@@ -64,17 +64,38 @@ def deepspeed_config(layout: Layout, run: RunConfig, world_size: int) -> dict[st
         "gradient_accumulation_steps": layout.accumulation,
         "gradient_clipping": opt.grad_clip,
         "bf16": {"enabled": True, **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
-                                     if layout.bf16_optimizer else {})},
+                                     if layout.bf16_masters else {})},
         "zero_optimization": zero,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay},
-        },
+        **optimizer_section(layout.optimizer, run),
         "steps_per_print": 10**9,  # zerotrain prints its own progress
         "wall_clock_breakdown": False,
     }
     assert "auto" not in json.dumps(config), "DeepSpeed config must hold concrete values only"
     return config
+
+
+def optimizer_section(name: str, run: RunConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON's optimizer keys. DeepSpeed builds its own AdamW from an "optimizer"
+    section (adamw, adamw-bf16). A client optimizer (adamw-8bit, adafactor) is built by zerotrain
+    (zerotrain/optimizers.py) and handed to deepspeed.initialize, which then must find no such
+    section and needs zero_allow_untested_optimizer; which one, and its settings, are written under
+    "_zerotrain" (DeepSpeed ignores the key), so that the JSON says what trains."""
+    from zerotrain.optimizers import client_settings
+
+    opt = run.optimizer
+    if name in CLIENT_OPTIMIZERS:
+        return {"zero_allow_untested_optimizer": True, "_zerotrain": {"optimizer": client_settings(name, run)}}
+    return {"optimizer": {
+        "type": "AdamW",
+        "params": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay},
+    }}
+
+
+def client_optimizer_of(config: dict[str, Any]) -> str | None:
+    """The client optimizer a DeepSpeed JSON names (optimizer_section), or None."""
+    marker = config.get("_zerotrain")
+    name = marker.get("optimizer", {}).get("name") if isinstance(marker, dict) else None
+    return name if name in CLIENT_OPTIMIZERS else None
 
 
 def validate(config: dict[str, Any]) -> None:
@@ -102,7 +123,8 @@ def write_config(config: dict[str, Any], path: Path, header: dict[str, Any] | No
     "_zerotrain", which DeepSpeed ignores."""
     data = dict(config)
     if header:
-        data = {"_zerotrain": header, **data}
+        own = data.pop("_zerotrain", {})  # the client optimizer's settings (optimizer_section)
+        data = {"_zerotrain": {**header, **own}, **data}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -165,9 +187,14 @@ def complete_given(given: dict[str, Any], source: str, run: RunConfig, world_siz
             f"{source}: {total} images per step (micro {micro} x accumulation {accumulation} x {world_size} "
             f"processes), but training.global_batch_size is {run.training.global_batch_size}; make them agree")
     config.update(dict(zip(BATCH_KEYS, (total, micro, accumulation))))
-    own = deepspeed_config(Layout(0, micro_batch=micro, accumulation=accumulation), run, world_size)
-    for key in FILLED_KEYS:
-        config.setdefault(key, own[key])
+    name = run.optimizer.name if run.optimizer.name in CLIENT_OPTIMIZERS else "adamw"
+    if name in CLIENT_OPTIMIZERS and "optimizer" in config:
+        raise ZerotrainError(f"{source} has an optimizer section, and optimizer.name={name} asks for an optimizer "
+                             "zerotrain builds: remove the section, or set optimizer.name to adamw")
+    own = deepspeed_config(Layout(0, micro_batch=micro, accumulation=accumulation, optimizer=name), run, world_size)
+    for key in (*FILLED_KEYS, "zero_allow_untested_optimizer", "_zerotrain"):
+        if key in own:
+            config.setdefault(key, own[key])
     if isinstance(config.get("bf16"), dict) and _read_as_false(config["bf16"].get("check_grad_overflow", True)):
         raise ZerotrainError(f"{source}: bf16.check_grad_overflow is false, so a NaN or inf gradient would be "
                              "applied to the weights; zerotrain skips such steps through it: remove the setting")
@@ -193,6 +220,9 @@ def layout_of(config: dict[str, Any], gradient_checkpointing: bool) -> Layout:
     def device(section: str) -> str:
         return str((zero.get(section) or {}).get("device", "none"))
 
+    bf16 = config.get("bf16") if isinstance(config.get("bf16"), dict) else {}
+    optimizer = client_optimizer_of(config) or (
+        "adamw-bf16" if bf16.get("bf16_master_weights_and_grads") is True else "adamw")
     return Layout(int(zero.get("stage", 0)), device("offload_optimizer"), device("offload_param"),
                   gradient_checkpointing, config["train_micro_batch_size_per_gpu"],
-                  config["gradient_accumulation_steps"])
+                  config["gradient_accumulation_steps"], optimizer=optimizer)

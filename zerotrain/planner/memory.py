@@ -17,6 +17,28 @@ from dataclasses import dataclass, field
 LP = 2  # bf16 parameter / gradient element
 FP32 = 4  # fp32 master weight / gradient element
 ADAM = 8  # AdamW exp_avg + exp_avg_sq, fp32 each
+# The optimizers (optimizer.name): adamw and adamw-bf16 are DeepSpeed's own AdamW (FusedAdam, or
+# DeepSpeedCPUAdam when offloaded); the others are client optimizers zerotrain builds and hands
+# to deepspeed.initialize (zerotrain/optimizers.py). All but adamw keep bf16 master weights.
+CLIENT_OPTIMIZERS = ("adamw-8bit", "adafactor")
+# bitsandbytes' 8-bit AdamW (optim/optimizer.py Optimizer8bit, functional.py, 0.50): each moment is
+# one uint8 per element with one fp32 absmax per block of 256 elements (blockwise quantization) and
+# a 256-entry fp32 code book (qmap); a tensor of fewer than min_8bit_size = 4096 elements keeps
+# fp32 moments instead.
+BNB_BLOCK = 256
+BNB_MIN_8BIT = 4096
+BNB_QMAP = 256 * FP32
+# Bytes one optimizer step reads and writes per trainable parameter on the GPU (its time term,
+# memory-bandwidth bound), counted from each implementation:
+# - adamw: FusedAdam reads the fp32 gradient, master and two moments and writes the master and
+#   moments (28); DeepSpeed then copies the master into the bf16 parameter (4 + 2).
+# - adamw-bf16: the same in bf16 (14), then the copy (2 + 2).
+# - adamw-8bit: bitsandbytes' fused kernel reads the bf16 gradient and master and the two uint8
+#   moments and writes master and moments (10), then the copy (4).
+# - adafactor: transformers' Adafactor.step runs unfused on fp32 copies, about 24 passes of 4 bytes
+#   over the partition (grad.float(), p.float(), the two RMS, grad**2 + eps, the moment update,
+#   rsqrt, the clip, lr, weight decay, the update, the copy back), then the copy (4).
+STEP_BYTES = {"adamw": 34, "adamw-bf16": 18, "adamw-8bit": 14, "adafactor": 100}
 # Without ZeRO, DeepSpeed all-reduces the gradients in buckets of this many elements whatever the
 # config's reduce_bucket_size (engine.py: MEMORY_OPT_ALLREDUCE_SIZE, the default bucket_size of
 # allreduce_gradients).
@@ -43,15 +65,17 @@ class Layout:
     """With gradient_checkpointing: the first this many blocks of ModelFacts.checkpoint_order()
     (partial checkpointing); None: every block."""
     optimizer: str = "adamw"
+    """adamw (fp32 master weights and moments); adamw-bf16 (bf16 master weights, gradients and
+    moments: DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states, ZeRO 1-3);
+    adamw-8bit (bitsandbytes' blockwise 8-bit moments) and adafactor (transformers', one fp32
+    second moment) step the same bf16 masters, ZeRO 1-3 with the optimizer on the GPU."""
     zeropp: str = "none"
     """ZeRO-3 across nodes: none, hpz (secondary partition per node) or hpz-qwz-qgz (and quantized
     weight gathers and gradient reductions)."""
-    """adamw (fp32 master weights and moments) or adamw-bf16 (bf16 master weights, gradients and
-    moments: DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states, ZeRO 1-3)."""
 
     @property
-    def bf16_optimizer(self) -> bool:
-        return self.optimizer == "adamw-bf16"
+    def bf16_masters(self) -> bool:
+        return self.optimizer != "adamw"
 
     def label(self) -> str:
         parts = [f"ZeRO-{self.stage}"]
@@ -111,16 +135,59 @@ class Buffers:
 
 
 def master_element(layout: Layout) -> int:
-    """Bytes of one master weight (and of its gradient at the step): fp32, or bf16 with
-    adamw-bf16 (DeepSpeed's master_weights_and_grads_dtype)."""
-    return LP if layout.bf16_optimizer else FP32
+    """Bytes of one master weight (and of its gradient at the step): fp32, or bf16 with every
+    optimizer but adamw (DeepSpeed's master_weights_and_grads_dtype)."""
+    return LP if layout.bf16_masters else FP32
 
 
 def moment_bytes(layout: Layout) -> int:
-    """AdamW's two moments per trainable parameter: fp32 each, or bf16 with adamw-bf16 (the basic
-    optimizer allocates them like the master; offloaded, DeepSpeed builds DeepSpeedCPUAdam with
-    fp32_optimizer_states=False, engine.get_optimizer_configuration)."""
-    return 2 * LP if layout.bf16_optimizer else ADAM
+    """DeepSpeed's AdamW's two moments per trainable parameter: fp32 each, or bf16 with adamw-bf16
+    (the basic optimizer allocates them like the master; offloaded, DeepSpeed builds
+    DeepSpeedCPUAdam with fp32_optimizer_states=False, engine.get_optimizer_configuration). Only
+    these two optimizers are ever offloaded (see optimizer_tensors)."""
+    return 2 * LP if layout.bf16_masters else ADAM
+
+
+def state_bytes(optimizer: str, numel: int) -> int:
+    """The optimizer state of one tensor of `numel` elements, as the optimizer allocates it.
+    - adamw, adamw-bf16: exp_avg and exp_avg_sq like the master (moment_bytes).
+    - adamw-8bit: bitsandbytes' state1 and state2 (uint8) with their absmax (fp32 per BNB_BLOCK
+      elements) and qmap; fp32 moments below BNB_MIN_8BIT elements.
+    - adafactor: the flat partitions DeepSpeed hands it are 1-D, so transformers' Adafactor keeps
+      the unfactored exp_avg_sq, fp32 (zeros_like the fp32 gradient), and a 0-d RMS; with beta1
+      None (zerotrain's setting, as the paper's) there is no first moment."""
+    if optimizer == "adamw":
+        return ADAM * numel
+    if optimizer == "adamw-bf16":
+        return 2 * LP * numel
+    if optimizer == "adamw-8bit":
+        if numel < BNB_MIN_8BIT:
+            return ADAM * numel
+        return 2 * (numel + FP32 * -(-numel // BNB_BLOCK) + BNB_QMAP)
+    if optimizer == "adafactor":
+        return FP32 * numel
+    raise ValueError(f"unknown optimizer {optimizer}")
+
+
+def optimizer_tensors(layout: Layout, s: Sizes, b: Buffers) -> tuple[int, ...]:
+    """Elements of each tensor the basic optimizer steps on one rank: every trainable parameter at
+    ZeRO-0 (per-parameter fp32 masters; adamw only), the rank's flat partition at ZeRO 1/2 (one
+    parameter group), and that partition in sub_group_size pieces at ZeRO-3."""
+    if layout.stage == 0:
+        return (s.trainable_params,)
+    partition = s.trainable_params // s.world_size
+    return _chunks(partition, b.sub_group_size) if layout.stage == 3 else (partition,)
+
+
+def step_transient(layout: Layout, s: Sizes, b: Buffers) -> int:
+    """What the optimizer step allocates for itself on the GPU. FusedAdam and bitsandbytes' 8-bit
+    kernel update in place: nothing. transformers' Adafactor.step works on fp32 copies of the
+    largest tensor it steps: the gradient (grad.float()), the master (p.float()), update =
+    grad**2 + eps and exp_avg_sq.rsqrt() beside it before the old update is dropped: 4 x FP32 per
+    element."""
+    if layout.optimizer != "adafactor" or layout.offload_optimizer != "none":
+        return 0
+    return 4 * FP32 * max(optimizer_tensors(layout, s, b))
 
 
 def lp_params(layout: Layout, s: Sizes) -> int:
@@ -222,23 +289,27 @@ def master_weights(layout: Layout, s: Sizes) -> int:
     """fp32 master copy of the trainable parameters: whole at stage 0 (FP16_Optimizer's
     fp32_groups_flat, unpadded), partitioned from stage 1. adamw-bf16: a bf16 copy of the partition
     (single_partition_of_fp32_groups, fp32_partitioned_groups_flat in master_weights_and_grads_dtype).
-    ZeRO-3 would share the bf16 partition itself when it already has the master dtype on the
-    optimizer's device, but stage3.py compares a torch.device with the accelerator's device name, a
-    string, which is never equal: it always copies (measured)."""
+    ZeRO-3 shares the bf16 partition itself when it already has the master dtype on the optimizer's
+    device (stage3.py _create_fp32_partitions): with bf16 masters and the parameters on the GPU it
+    holds no second copy. (DeepSpeed 0.19.8 compares the partition's torch.device with the
+    accelerator's device name, a string, which is never equal; zerotrain gives it the name as a
+    torch.device, engine.zero3_shares_bf16_masters.)"""
     if layout.offload_optimizer != "none":
         return 0
-    if layout.bf16_optimizer:
+    if layout.bf16_masters and layout.stage == 3 and layout.offload_param == "none":
+        return 0
+    if layout.bf16_masters:
         return LP * s.trainable_params // s.world_size
     return FP32 * s.trainable_params // (1 if layout.stage == 0 else s.world_size)
 
 
-def optimizer_states(layout: Layout, s: Sizes) -> int:
-    """AdamW's two fp32 moments, only for trainable parameters; partitioned from stage 1. At stage
-    0 FP16_Optimizer creates them at init (initialize_optimizer_states steps once on zero
-    gradients); ZeRO 1-3 at the first step."""
+def optimizer_states(layout: Layout, s: Sizes, b: Buffers | None = None) -> int:
+    """The optimizer's state (state_bytes) for each tensor it steps (optimizer_tensors), only for
+    trainable parameters; partitioned from stage 1. At stage 0 FP16_Optimizer creates AdamW's at
+    init (initialize_optimizer_states steps once on zero gradients); ZeRO 1-3 at the first step."""
     if layout.offload_optimizer != "none":
         return 0
-    return moment_bytes(layout) * s.trainable_params // (1 if layout.stage == 0 else s.world_size)
+    return sum(state_bytes(layout.optimizer, n) for n in optimizer_tensors(layout, s, b or Buffers()))
 
 
 def reduce_buckets(layout: Layout, s: Sizes, b: Buffers) -> int:
@@ -313,7 +384,7 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
     states = {
         "bf16 params": lp_params(layout, s),
         "fp32 master": master_weights(layout, s),
-        "optimizer states": optimizer_states(layout, s),
+        "optimizer states": optimizer_states(layout, s, b),
         "buffers": s.buffer_bytes,
         "hpz secondary params": hpz_secondary(layout, s),
     }
@@ -335,7 +406,8 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
                      "offload staging": offload_grad_staging(layout, s),
                      "activations": activation_peak,
                      "inputs": input_bytes},
-        "optimizer step": {**states, "bf16 grads": grads, **resident, "fp32 grads": fp32_grads(layout, s, b)},
+        "optimizer step": {**states, "bf16 grads": grads, **resident, "fp32 grads": fp32_grads(layout, s, b),
+                           "step transient": step_transient(layout, s, b)},
         "checkpoint save": {**states, **resident, "save gather": save_gather(layout, s)},
     }
     phases = {name: sum(terms.values()) for name, terms in phase_terms.items()}

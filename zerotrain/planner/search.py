@@ -18,7 +18,9 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
 from zerotrain.planner.facts import ModelFacts
 from zerotrain.planner.memory import (
+    CLIENT_OPTIMIZERS,
     LP,
+    STEP_BYTES,
     Buffers,
     Layout,
     MemoryEstimate,
@@ -161,7 +163,9 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
         Layout(stage, opt, param, gc, micro, per_rank_batch // micro, blocks, optimizer, plus)
         for stage, options in offloads.items() for opt, param in options
         for gc, blocks in checkpointing for micro in micros
-        for optimizer in optimizers if stage > 0 or optimizer == "adamw"  # bf16 masters need ZeRO 1-3
+        # bf16 masters need ZeRO 1-3; the client optimizers step on the GPU (zerotrain/optimizers.py)
+        for optimizer in optimizers if (stage > 0 or optimizer == "adamw")
+        and (opt == "none" or optimizer not in CLIENT_OPTIMIZERS)
         for plus in (zeropp if stage == 3 else ["none"])
     ]
 
@@ -217,7 +221,11 @@ def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, ru
     else:
         terms = {"compute": compute, "communication": traffic / bandwidth if n > 1 else 0.0}
     per_rank = s.trainable_params / n
-    if layout.offload_optimizer != "none":
+    if layout.offload_optimizer == "none":
+        # the optimizer step on the GPU, bound by memory bandwidth (memory.STEP_BYTES)
+        stepped = s.trainable_params / (1 if layout.stage == 0 else n)
+        terms["optimizer step"] = STEP_BYTES[layout.optimizer] * stepped / hw.memory_bandwidth
+    else:
         # gradients down every micro-step, updated bf16 parameters up once per step
         terms["offload transfers"] = LP * per_rank * (layout.accumulation + 1) / hw.host_to_device_bandwidth
         terms["cpu adam"] = per_rank * hw.gpus_per_node / run.planner.cpu_adam_params_per_second
@@ -324,19 +332,49 @@ def partial_checkpointing(candidates: list[Candidate], facts: ModelFacts, hw: Ha
     return found
 
 
+# Candidates this close in predicted speed count as equally fast when choosing an optimizer: the
+# step-time model is not finer than a few percent, and an optimizer's numerics are worth more.
+OPTIMIZER_TIE = 0.05
+
+
+def optimizer_preference(run: RunConfig) -> dict[str, int]:
+    return {name: index for index, name in enumerate(run.planner.optimizers)}
+
+
+def optimizer_reason(p: Plan, run: RunConfig) -> str | None:
+    """Why the chosen optimizer is not the first of planner.optimizers (optimizer.name auto)."""
+    chosen = p.chosen.layout.optimizer
+    rank = optimizer_preference(run)
+    if run.optimizer.name != "auto" or rank.get(chosen, 0) == 0:
+        return None
+    preferred = [c for c in p.candidates if rank.get(c.layout.optimizer, 0) < rank[chosen]]
+    names = "/".join(sorted({c.layout.optimizer for c in preferred}, key=rank.__getitem__))
+    fitting = [c for c in preferred if c.fits]
+    if fitting:
+        best = max(fitting, key=lambda c: c.images_per_second)
+        return (f"Optimizer {chosen}: {p.chosen.images_per_second / best.images_per_second - 1:.0%} faster than the "
+                f"fastest fitting {best.layout.optimizer} candidate, {describe(best.layout)} "
+                f"({best.images_per_second:.2f} images/s); it changes numerics (optimizer.name)")
+    smallest = min(preferred, key=lambda c: c.memory.device_total) if preferred else None
+    why = f": the smallest, {describe(smallest.layout)}, {smallest.rejected}" if smallest else ""
+    return f"Optimizer {chosen}: no {names or 'other'} candidate fits{why}"
+
+
 def plan(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Plan:
     """All candidates, the fastest one that fits, and the reasons, in words."""
     per_rank = check_batch(run, hw)
     check_blocks(run, facts)
     candidates = [evaluate(layout, facts, hw, run) for layout in layouts(run, hw, per_rank)]
     candidates += partial_checkpointing(candidates, facts, hw, run)
-    # Between equally fast candidates: the optimizer listed first (fp32 AdamW's numerics), then the
-    # smaller memory.
-    preference = {name: index for index, name in enumerate(run.planner.optimizers)}
+    preference = optimizer_preference(run)
     candidates.sort(key=lambda c: (not c.fits, -c.images_per_second, preference.get(c.layout.optimizer, 0),
                                    c.memory.device_total))
     fitting = [c for c in candidates if c.fits]
-    chosen = fitting[0] if fitting else None
+    # Among the candidates within OPTIMIZER_TIE of the fastest: the optimizer listed first in
+    # planner.optimizers (fp32 AdamW's numerics first), then the fastest, then the smaller memory.
+    band = [c for c in fitting if c.images_per_second >= fitting[0].images_per_second * (1 - OPTIMIZER_TIE)]
+    chosen = min(band, key=lambda c: (preference.get(c.layout.optimizer, 0), -c.images_per_second,
+                                      c.memory.device_total)) if band else None
     gpu_budget, host_budget, nvme_budget = budgets(hw, run)
     result = Plan(
         model=facts.model, resolution=facts.resolution, mode=facts.mode, quantize=facts.quantize,
@@ -373,10 +411,14 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
         return lines
     c = p.chosen
     lines.append(
-        f"Chosen: {describe(c.layout)}: the fastest of {len(fitting)} fitting candidates "
+        f"Chosen: {describe(c.layout)}: the fastest of {len(fitting)} fitting candidates"
+        f"{'' if c is fitting[0] else f' within {OPTIMIZER_TIE:.0%} (planner.optimizers: preferred numerics)'} "
         f"({c.images_per_second:.2f} images/s predicted at {run.planner.assumed_mfu:.0%} MFU), "
         f"{gib(c.memory.device_total)} per GPU at its peak phase ({c.memory.peak_phase})"
     )
+    optimizer = optimizer_reason(p, run)
+    if optimizer:
+        lines.append(optimizer)
     if not c.layout.gradient_checkpointing:
         lines.append("No gradient checkpointing: the activations fit, so no time is spent recomputing them")
     elif c.layout.checkpointed_blocks is not None and c.layout.checkpointed_blocks < facts.checkpoint_blocks:
