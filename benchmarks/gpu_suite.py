@@ -1,6 +1,6 @@
 """The GPU suite: the planner's predictions against one GPU node, in one command (issue 13).
 
-    python benchmarks/gpu_suite.py                       # one GPU node, no network: under 20 min on one H100
+    python benchmarks/gpu_suite.py                       # one GPU node, no network: about 30 min on one H100
     python benchmarks/gpu_suite.py --only flux-dev       # one model's cases
     DS_ACCELERATOR=cpu python benchmarks/gpu_suite.py --tiny   # the whole path on CPU, on tiny-flux (the test)
 
@@ -8,6 +8,9 @@ Each case is one `zerotrain calibrate` process (random weights, no download; a f
 per case) on a reduced-depth, full-width model at 1024px:
 - flux-dev and sdxl-base, full and LoRA: ZeRO 0-3 x checkpointing on/off x micro-batch 1, 2, 4;
 - the newer families (qwen-image, flux2-dev, z-image, chroma), LoRA: the star around each plan;
+- the memory floor on 4+4-block flux-dev, full fine-tune at ZeRO-2: 0, 2, 4 and 8 of its blocks
+  checkpointed, activation offload, each optimizer (adamw-bf16, adamw-8bit, adafactor) and
+  compiled blocks (the speed-up the plan does not count yet);
 - full-depth flux-dev LoRA, and full-depth SDXL full fine-tuning: the plan's choice.
 
 It writes benchmarks/results/gpu-<device>-<date>.json (every case's calibration: predicted and
@@ -47,6 +50,21 @@ def cases(tiny: bool) -> list[dict]:
     for model in ("qwen-image", "flux2-dev", "z-image", "chroma"):
         out.append({"name": f"{model} 2 blocks lora", "limit": 150,
                     "args": ["--model", model, "--blocks", "2", "--mode", "lora", "--grid", "star", *GRID]})
+    # The memory floor (issue 14) on 4+4-block Flux-dev, full fine-tune at ZeRO-2: k = 0, N/4, N/2
+    # and N of its 8 blocks checkpointed, every block with activation offload, each optimizer.
+    floor = ["--model", "flux-dev", "--blocks", "4", "--mode", "full", "--grid", "chosen", "--global-batch", "1",
+             "--set", "planner.stages=[2]", "--set", "planner.offload=[none]"]
+    for k in (0, 2, 4, 8):
+        checkpointing = ["--set", "training.gradient_checkpointing=false"] if k == 0 else \
+            ["--set", f"training.checkpoint_blocks={k}"]
+        out.append({"name": f"flux-dev 4 blocks full, {k}/8 checkpointed", "limit": 150, "args": [*floor, *checkpointing]})
+    out.append({"name": "flux-dev 4 blocks full, activation offload", "limit": 150,
+                "args": [*floor, "--set", "training.activation_offload=true", "--set", "training.gradient_checkpointing=true"]})
+    for optimizer in ("adamw-bf16", "adamw-8bit", "adafactor"):
+        out.append({"name": f"flux-dev 4 blocks full, {optimizer}", "limit": 150,
+                    "args": [*floor, "--set", f"optimizer.name={optimizer}"]})
+    out.append({"name": "flux-dev 4 blocks full, compiled blocks", "limit": 240,
+                "args": [*floor, "--set", "training.compile=true"]})
     out.append({"name": "flux-dev lora (full depth)", "limit": 300,
                 "args": ["--model", "flux-dev", "--mode", "lora", "--grid", "chosen", "--global-batch", "1"]})
     out.append({"name": "sdxl-base full (full depth)", "limit": 240,

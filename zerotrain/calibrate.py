@@ -90,7 +90,7 @@ def release_host_memory() -> None:
 # --- one configuration ------------------------------------------------------------------------------
 
 
-def build_model(spec, run: RunConfig, checkpointing: bool | list[str]) -> torch.nn.Module:
+def build_model(spec, run: RunConfig, checkpointing: bool | list[str], layout: Layout | None = None) -> torch.nn.Module:
     """The denoiser from its config with random weights, made in bf16 (no fp32 copy on the host),
     with the run's training mode applied as train.py applies it."""
     import torch
@@ -104,7 +104,10 @@ def build_model(spec, run: RunConfig, checkpointing: bool | list[str]) -> torch.
         model = spec.denoiser_class().from_config(spec.config)
     finally:
         torch.set_default_dtype(default)
-    apply_mode(model, spec, run, checkpointing)  # LoRA adapters come in fp32; DeepSpeed casts them, as in training
+    # LoRA adapters come in fp32; DeepSpeed casts them, as in training. Activation offload and
+    # compiled blocks as training applies them for this layout.
+    apply_mode(model, spec, run, checkpointing, layout is not None and layout.offload_activations,
+               layout.stage if layout is not None else None)
     return model
 
 
@@ -148,7 +151,7 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     release_host_memory()
     floor = host_rss()
     peaks.start()
-    model = build_model(spec, run, checkpointing)
+    model = build_model(spec, run, checkpointing, layout)
     engine = build_engine(model, config, run, device)
     peaks.end("init")
     side, tokens = run.data.resolution, run.data.text_tokens or family.default_text_tokens

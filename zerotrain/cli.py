@@ -104,7 +104,7 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from zerotrain.planner import calibration
     from zerotrain.planner.deepspeed_json import deepspeed_config, validate, write_config
     from zerotrain.planner.measure import measure_model
-    from zerotrain.planner.report import print_plan, suggestions
+    from zerotrain.planner.report import base_choices, print_plan, suggestions
     from zerotrain.planner.search import plan
 
     start = time.perf_counter()
@@ -119,6 +119,7 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     kind = families.of(spec).plan_only(spec)
     if kind is not None:
         result.reasons.append(f"{spec.name} is plan-only: zerotrain cannot cache or train {kind}")
+    result.reasons += base_choices(spec, facts, hw, run, result)
     if result.chosen is None:
         result.suggestions = suggestions(spec, facts, hw, run)
     config = None
@@ -133,6 +134,8 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
             training = {"gradient_checkpointing": layout.gradient_checkpointing}
             if layout.gradient_checkpointing and result.checkpointed(layout) is not True:
                 training["checkpoint_blocks"] = layout.checkpointed_blocks
+            if layout.offload_activations:
+                training["activation_offload"] = True
             write_config(config, args.write_config, {"command": reproducible_command(argv), "plan": result.reasons,
                                                      "training": training})
     elapsed = time.perf_counter() - start

@@ -102,10 +102,14 @@ class TrainableView(torch.nn.Module):
 
 
 def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig,
-               gradient_checkpointing: bool | list[str]) -> list[str]:
+               gradient_checkpointing: bool | list[str], offload_activations: bool = False,
+               stage: int | None = None) -> list[str]:
     """LoRA adapters (the base frozen, quantized if asked) or a full fine-tune; gradient
     checkpointing as planned: of every block (True), none (False, []) or the named blocks
-    (Plan.checkpointed). Returns what was done, in lines for the log."""
+    (Plan.checkpointed), with the checkpointed blocks' inputs in host memory when
+    offload_activations (recompute.OffloadingCheckpoint); its blocks compiled as training.compile and
+    the ZeRO stage allow (compile_choice; stage None: not compiled). Returns what was done, in lines
+    for the log."""
     done = []
     if run.training.quantize_base is not Quantization.none:
         done.append(quantize_base(model, run.training.quantize_base))
@@ -117,13 +121,70 @@ def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig,
         model.requires_grad_(True)
     some = None if gradient_checkpointing is True else gradient_checkpointing
     if gradient_checkpointing:
-        families.of(spec).enable_checkpointing(model, some)
+        from zerotrain import recompute
+
+        families.of(spec).enable_checkpointing(model, some,
+                                               recompute.OffloadingCheckpoint() if offload_activations else None)
     model.train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     checkpointing = "" if not gradient_checkpointing else ", gradient checkpointing" + (
-        f" of {len(some)} blocks ({', '.join(some[:3])}{', ...' if len(some) > 3 else ''})" if some else "")
+        f" of {len(some)} blocks ({', '.join(some[:3])}{', ...' if len(some) > 3 else ''})" if some else "") + (
+        offload_line(offload_activations))
     done.append(f"{run.training.mode.value} training: {trainable:,} trainable parameters{checkpointing}")
+    if stage is not None:
+        compiled, why = compile_choice(run, stage)
+        if compiled:
+            why = f"{why}: {', '.join(compile_blocks(model))}"
+        done.append(why)
     return done
+
+
+def compile_choice(run: RunConfig, stage: int) -> tuple[bool, str]:
+    """Whether the run compiles its blocks (training.compile), and why, in a line for the log."""
+    from zerotrain.distributed import accelerator
+
+    asked = run.training.compile
+    if asked is False:
+        return False, "blocks run eagerly (training.compile=false)"
+    if stage == 3:
+        if asked is True:
+            raise ZerotrainError("training.compile=true with ZeRO-3: DeepSpeed's parameter hooks (compiler-disabled) "
+                                 "split every compiled block into pieces; set training.compile to auto or false, or "
+                                 "planner.stages to [0, 1, 2]")
+        return False, "blocks run eagerly: ZeRO-3's parameter hooks would split compiled blocks (training.compile=auto)"
+    if asked == "auto" and accelerator()[0] == "cpu":
+        return False, ("blocks run eagerly on the CPU accelerator, where compiling takes longer than tiny runs last " \
+                      "(training.compile=auto; true compiles)")
+    if asked == "auto" and run.training.quantize_base is not Quantization.none:
+        return False, "blocks run eagerly over a quantized base (training.compile=auto; true compiles)"
+    return True, "each repeated block compiled with torch.compile (regional compilation; the first steps compile)"
+
+
+def compile_blocks(model: torch.nn.Module) -> list[str]:
+    """Regional compilation through diffusers' compile_repeated_blocks: each module of the classes in
+    the model's _repeated_blocks gets torch.compile'd forward (one compiled graph shared by a
+    class's blocks). A model class without _repeated_blocks (SD3's) compiles its checkpoint units'
+    transformer block classes instead. Returns the compiled classes."""
+    from zerotrain import recompute
+
+    if not getattr(model, "_repeated_blocks", None):
+        model._repeated_blocks = sorted({type(m).__name__ for m in recompute.checkpoint_units(model).values()
+                                         if type(m).__name__.endswith("TransformerBlock")})
+    if not model._repeated_blocks:
+        raise ZerotrainError(f"training.compile=true: {type(model).__name__} has no repeated transformer blocks to "
+                             "compile; set training.compile to auto or false")
+    model.compile_repeated_blocks()
+    return list(model._repeated_blocks)
+
+
+def offload_line(offload_activations: bool) -> str:
+    if not offload_activations:
+        return ""
+    from zerotrain.distributed import accelerator
+
+    if accelerator()[0] == "cpu":  # recompute.offloaded moves only accelerator tensors
+        return ", activation offload on (a no-op on the CPU accelerator: host and device are one memory)"
+    return ", the checkpointed blocks' inputs offloaded to pinned host memory"
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:

@@ -10,11 +10,12 @@ enable_gradient_checkpointing with a function that checkpoints only calls inside
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 
 def checkpoint_units(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -34,7 +35,7 @@ def checkpoint_units(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def default_checkpoint(function: Callable, *args: Any) -> Any:
     """diffusers' default: non-reentrant torch.utils.checkpoint."""
-    return checkpoint(function, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
 def enable(model: torch.nn.Module, names: Collection[str] | None = None,
@@ -63,3 +64,68 @@ def _some(module: Any, *args: Any, inside: frozenset[int], checkpoint_fn: Callab
     if id(module) in inside:
         return checkpoint_fn(module.__call__, *args)
     return module(*args)
+
+
+# Checkpointed block inputs of at least this many bytes move to host memory (activation offload);
+# smaller ones (a timestep embedding, a mask) are not worth a transfer.
+OFFLOAD_MIN_BYTES = 1 << 20
+
+
+def offloaded(tensor: Any) -> bool:
+    """Whether activation offload moves this checkpoint input to the host: a floating-point tensor
+    of at least OFFLOAD_MIN_BYTES on the accelerator."""
+    return (isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.device.type != "cpu"
+            and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES)
+
+
+class OffloadingCheckpoint:
+    """A checkpointing function (for recompute.enable) that keeps each checkpointed block's large
+    inputs in pinned host memory instead of on the GPU: activation offload, the tier after
+    checkpointing every block, whose saved activations are then mostly these inputs.
+
+    The block's forward runs on the GPU tensors it is given; non-reentrant torch.utils.checkpoint
+    keeps, for the recomputation, the host copies made here (asynchronous device-to-host copies
+    into pinned memory), so a GPU input is freed as soon as the model drops it. In backward, the
+    recomputation copies them back (host-to-device) while the original is gone, marked as requiring
+    gradients as the original was, so that the recomputed graph saves what the forward did. The
+    gradients flow through the forward's own graph: they are exactly plain checkpointing's.
+
+    A tensor handed to several blocks (a shared embedding) is copied once per forward: copies are
+    looked up by the GPU tensor while it lives. `moves` decides which inputs move (`offloaded`;
+    tests pass their own on the CPU), `host` where they go."""
+
+    def __init__(self, moves: Callable[[Any], bool] = offloaded, host: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.moves = moves
+        self.host = host or _to_pinned_host
+        self._copies: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self.moved_bytes = 0
+        """Bytes copied to the host since construction (each shared tensor once)."""
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        entry = self._copies.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+        self._copies = {k: v for k, v in self._copies.items() if v[0]() is not None}
+        copy = self.host(tensor.detach())
+        self._copies[id(tensor)] = (weakref.ref(tensor), copy)
+        self.moved_bytes += copy.numel() * copy.element_size()
+        return copy
+
+    def __call__(self, function: Callable, *args: Any) -> Any:
+        moved = {i: (weakref.ref(a), a.device, a.requires_grad) for i, a in enumerate(args) if self.moves(a)}
+        host_args = [self._host_copy(a) if i in moved else a for i, a in enumerate(args)]
+
+        def run(*inputs: Any) -> Any:
+            real = list(inputs)
+            for i, (ref, device, requires_grad) in moved.items():
+                original = ref()
+                real[i] = original if original is not None else \
+                    inputs[i].to(device, non_blocking=True).requires_grad_(requires_grad)
+            return function(*real)
+
+        return torch.utils.checkpoint.checkpoint(run, *host_args, use_reentrant=False)
+
+
+def _to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+    return host.copy_(tensor, non_blocking=True)

@@ -125,7 +125,9 @@ def _plan_here(run: RunConfig, spec, topo: Topology) -> tuple[dict, object, obje
     options = [False, True] if checkpointing == "auto" else [checkpointing]
     blocks = run.training.checkpoint_blocks
     if blocks is None:
-        evaluated = [evaluate(layout_of(config, gc), facts, hw, run) for gc in options]
+        offload = run.training.activation_offload is True  # a given config: only when asked for
+        evaluated = [evaluate(dataclasses.replace(layout_of(config, gc), offload_activations=gc and offload), facts, hw,
+                              run) for gc in options]
     else:
         evaluated = [evaluate(dataclasses.replace(layout_of(config, True), checkpointed_blocks=blocks), facts, hw, run)]
     used = next((c for c in evaluated if c.fits), evaluated[-1])
@@ -308,7 +310,7 @@ def fit(run: RunConfig, spec, topo: Topology, checkpoint: Path | None) -> bool:
     objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
     torch.manual_seed(run.training.seed)  # LoRA's initial weights come from torch's global generator
     model = load_denoiser(spec, folder)
-    for line in apply_mode(model, spec, run, checkpointing):
+    for line in apply_mode(model, spec, run, checkpointing, layout.offload_activations, layout.stage):
         if topo.is_main:
             print(line, flush=True)
     engine = build_engine(model, ds_config, run, device)

@@ -1,8 +1,8 @@
 """Real faults on two CPU ranks of the tiny example, each run compared with one uninterrupted run:
 
-- repeated preemption: five SIGTERM-and-resume cycles at random steps, at ZeRO-2 and ZeRO-3, give
-  per-step losses bit-identical to the uninterrupted run (at ZeRO-3 the last checkpoint is then
-  damaged by one flipped byte: the resume names the file and falls back to the one before);
+- repeated preemption: five SIGTERM-and-resume cycles at random steps at ZeRO-3 give per-step
+  losses bit-identical to the uninterrupted run (the last checkpoint is then damaged by one flipped
+  byte: the resume names the file and falls back to the one before);
 - kill -9 of one rank mid-step: the other rank names it and exits non-zero within a bounded time,
   never hangs; rerunning the same command resumes from the last complete checkpoint;
 - kill -9 of every rank during a checkpoint write (before the model files, half-way through an
@@ -74,8 +74,10 @@ def flip_one_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_five_preemptions_give_the_uninterrupted_losses(chaos, straight, stage):
+def test_five_preemptions_give_the_uninterrupted_losses(chaos, straight):
+    # ZeRO-3, the stage with the most to restore (partitioned parameters as well as optimizer
+    # state); ZeRO-2's resume is exact too (kill -9 below, test_train_resume.py at ZeRO-1).
+    stage = 3
     expected = uninterrupted(chaos, straight, stage)
     name = f"preempted-{stage}"
     overrides = (*COMMON, f"planner.stages=[{stage}]", f"training.max_steps={STEPS}",

@@ -68,6 +68,99 @@ def test_saved_bytes_and_flops_of_k_checkpointed_blocks_match_a_real_backward(na
     assert curve[0] == facts.no_checkpointing and curve[-1] == facts.checkpointing
 
 
+def test_activation_offload_moves_the_block_inputs_off_the_device_with_the_same_gradients(monkeypatch):
+    """Activation offload (recompute.OffloadingCheckpoint, as engine.apply_mode installs it) on a
+    real CPU forward and backward of tiny-flux with every block checkpointed: the device's saved
+    activations fall by exactly the bytes the planner's meta trace says it moves
+    (ModelFacts.offload_input_bytes), and the gradients are plain checkpointing's, bit for bit.
+    On the CPU there is no second memory, so the test's host copies are made outside the tracker,
+    and every input of 1 KiB or more moves (the tiny model's are below the 1 MiB of a real one)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    monkeypatch.setattr(recompute, "OFFLOAD_MIN_BYTES", 1024)
+    spec = spec_of("tiny-flux", num_layers=3, num_single_layers=4)
+    facts = trace.measure(spec, run_config("tiny-flux"), TEXT_TOKENS)
+    assert len(facts.offload_input_bytes) == 3 * 2 + 4 * 2  # hidden and text states of every block
+    moved = sum(facts.offload_input_bytes)
+    assert 0 < facts.offload_largest_call < moved
+    family = of(spec)
+
+    def outside_tracker(tensor: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():
+            return tensor.clone()
+
+    def moves(tensor: object) -> bool:
+        return isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and \
+            tensor.numel() * tensor.element_size() >= recompute.OFFLOAD_MIN_BYTES
+
+    def checkpointed(offload: bool) -> tuple[torch.nn.Module, recompute.OffloadingCheckpoint | None]:
+        model = real_model(spec)
+        offloader = recompute.OffloadingCheckpoint(moves, outside_tracker) if offload else None
+        family.enable_checkpointing(model, None, offloader)
+        return model, offloader
+
+    plain, _ = checkpointed(False)
+    offloaded, offloader = checkpointed(True)
+    kept = trace.trace_activations(plain, cpu_inputs(spec), None, prediction=family.prediction)
+    on_host = trace.trace_activations(offloaded, cpu_inputs(spec), None, prediction=family.prediction)
+    assert offloader.moved_bytes == moved
+    assert kept.saved_bytes - on_host.saved_bytes == moved
+    assert facts.activations(True, None, offload=True).saved_bytes == facts.checkpointing.saved_bytes - moved
+    assert on_host.flops == kept.flops
+
+    def gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+        out = family.prediction(model(**cpu_inputs(spec), return_dict=False)[0])
+        out.float().square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    plain, _ = checkpointed(False)
+    offloaded, _ = checkpointed(True)
+    for a, b in zip(gradients(plain), gradients(offloaded), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_plan_offloads_activations_only_past_checkpointing_every_block():
+    """Activation offload is the tier after checkpointing every block: chosen where that alone
+    does not fit, with its host bytes (pinned, per tensor) and transfer time accounted; and a
+    training.activation_offload=true the model cannot honour is one line."""
+    facts = dataclasses.replace(facts_with_units(), offload_input_bytes=[24 * 2**20] * 60,
+                                offload_largest_call=48 * 2**20)
+    every = facts.activations(True)
+    run = load_config(None, ["hardware.gpus=1", "hardware.gpu_memory=24GiB", "training.global_batch_size=1",
+                             "planner.stages=[3]"])
+    hw = hardware_facts(run.hardware)
+    roomy = plan(facts, hw, run)
+    assert not roomy.chosen.layout.offload_activations
+    # A budget just below what checkpointing every block needs at its smallest.
+    smallest = min(c.memory.device_total for c in roomy.candidates
+                   if c.layout.gradient_checkpointing and not c.layout.offload_activations)
+    gpu = (smallest - 2**30 // 2) / (1 - run.planner.headroom) / 2**30
+    tight = load_config(None, ["hardware.gpus=1", f"hardware.gpu_memory={gpu:.3f}GiB", "training.global_batch_size=1",
+                               "planner.stages=[3]"])
+    result = plan(facts, hardware_facts(tight.hardware), tight)
+    chosen = result.chosen
+    assert chosen.layout.offload_activations and chosen.layout.gradient_checkpointing, describe(chosen.layout)
+    assert chosen.layout.checkpointed_blocks is None
+    moved = 60 * 24 * 2**20
+    assert activations_of(chosen, facts).saved_bytes == every.saved_bytes - moved
+    assert chosen.time_terms["activation transfers"] == pytest.approx(2 * moved / hw.host_to_device_bandwidth)
+    assert chosen.memory.host_terms["offload"] >= moved  # each 24 MiB tensor pinned on its own: 32 MiB
+    assert any(line.startswith("Activation offload: the inputs of every checkpointed block (60 tensors")
+               for line in result.reasons), result.reasons
+    with pytest.raises(ZerotrainError, match="activation_offload=true offloads the inputs of every checkpointed"):
+        plan(facts, hw, load_config(None, ["hardware.gpus=1xH100-80GB", "training.global_batch_size=1",
+                                           "training.activation_offload=true", "training.checkpoint_blocks=3"]))
+    with pytest.raises(ZerotrainError, match="take no input large enough to offload"):
+        plan(facts_with_units(), hw, load_config(None, ["hardware.gpus=1xH100-80GB", "training.global_batch_size=1",
+                                                        "training.activation_offload=true"]))
+
+
+def activations_of(c, facts):
+    from zerotrain.planner.search import activations
+
+    return activations(c.layout, facts)
+
+
 def test_checkpointing_unknown_blocks_is_refused():
     model = real_model(spec_of("tiny-flux"))
     with pytest.raises(ValueError, match="no checkpoint unit named transformer_blocks.99"):
@@ -250,3 +343,36 @@ def test_zeropp_joins_the_search_on_several_nodes_and_moves_traffic_into_the_nod
     candidates = plan(facts, hardware_facts(single.hardware), single).candidates
     assert {c.layout.zeropp for c in candidates} == {"none"}
     assert all("communication (inter-node)" not in c.time_terms for c in candidates)
+
+
+# --- Streaming a frozen base ---------------------------------------------------------------------
+
+
+def test_lora_plans_weigh_streaming_the_base_against_quantizing_it():
+    """LoRA on Flux-dev in 16 GiB: the plan streams the frozen base with ZeRO-3 parameter offload
+    and says what that costs per step, then plans qint8 and qint4 bases (their own facts) and
+    states each one's step time; over a quantized base it weighs the unquantized one."""
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.measure import measure_model
+    from zerotrain.planner.report import base_choices
+
+    def choices(*overrides: str) -> tuple[object, list[str]]:
+        run = load_config(None, ["model.name_or_path=flux-dev", "training.mode=lora", "hardware.gpus=1",
+                                 "hardware.gpu_memory=16GiB", *overrides])
+        spec = resolve_model(run.model)
+        facts = measure_model(spec, run)
+        hw = hardware_facts(run.hardware)
+        result = plan(facts, hw, run)
+        return result, base_choices(spec, facts, hw, run, result)
+
+    result, lines = choices()
+    assert result.chosen.layout.offload_param == "cpu", describe(result.chosen.layout)
+    transfers = result.chosen.time_terms["param transfers"]
+    assert lines[0].startswith("Streams the frozen base: ZeRO-3 param->cpu keeps its 22.2 GiB in host memory")
+    assert f"{transfers:.2f} of the {result.chosen.step_seconds:.2f} s/step" in lines[0]
+    assert "qint8 (training.quantize_base=qint8): ZeRO-" in lines[1] and "qint4 (training.quantize_base=qint4)" in lines[1]
+    assert "Streaming and quantization do not combine" in lines[1]
+    _, quantized = choices("training.quantize_base=qint8")
+    assert len(quantized) == 1 and "unquantized, streamed: ZeRO-3" in quantized[0], quantized
+    # A roomy GPU that needs no streaming: nothing to weigh.
+    assert choices("hardware.gpus=1xH100-80GB", "hardware.gpu_memory=80GiB")[1] == []

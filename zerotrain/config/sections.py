@@ -86,6 +86,15 @@ class TrainingConfig(_Section):
     checkpoint_blocks: int | None = Field(None, ge=1)
     """Checkpoint exactly this many blocks, those that free the most activation memory per
     recomputed FLOP (partial checkpointing); unset: as gradient_checkpointing says."""
+    compile: bool | Literal["auto"] = "auto"
+    """Regional compilation: torch.compile of each repeated transformer block (diffusers'
+    compile_repeated_blocks), at ZeRO 0-2 (ZeRO-3's parameter hooks split a compiled block into
+    pieces). auto compiles on a GPU at ZeRO 0-2 over an unquantized base; true also on the CPU (slow
+    to compile) and over a quantized base; true at ZeRO-3 is an error."""
+    activation_offload: bool | Literal["auto"] = "auto"
+    """With every block checkpointed, keep the checkpointed blocks' inputs in pinned host memory
+    until backward (activation offload: host RAM and PCIe time for GPU memory); auto lets the planner
+    choose it where planner.offload allows cpu. true needs gradient checkpointing of every block."""
     seed: int = 0
     """Seed for the sampling order, crops, noise and initialisation."""
     max_steps: int = Field(1000, ge=1)
@@ -283,9 +292,9 @@ class PlannerConfig(_Section):
     which changes numerics, so it is chosen only when listed here."""
     optimizers: list[Literal["adamw", "adamw-bf16", "adamw-8bit", "adafactor"]] = [
         "adamw", "adamw-bf16", "adamw-8bit", "adafactor"]
-    """What optimizer.name auto may choose, in order of preference when they are as fast: the
-    others change numerics, so the planner takes one only where it fits and adamw does not, or
-    is faster."""
+    """What optimizer.name auto may choose, in order of preference: the planner takes a later one
+    only where no earlier one fits within 5% of the fastest candidate's speed (the others change
+    numerics)."""
     offload: list[Literal["none", "cpu", "nvme"]] = ["none", "cpu", "nvme"]
     """Offload targets the search may choose from (nvme needs hardware.nvme_path)."""
     max_micro_batch: int = Field(32, ge=1)

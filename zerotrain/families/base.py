@@ -147,12 +147,15 @@ class Family:
             raise ValueError(f"{self.name}: the config has none of {', '.join(self.depth_keys)} to shorten")
         return {**config, **share_blocks(depths, blocks)}
 
-    def enable_checkpointing(self, model: torch.nn.Module, blocks: list[str] | None = None) -> None:
+    def enable_checkpointing(self, model: torch.nn.Module, blocks: list[str] | None = None,
+                             checkpoint_fn: Any = None) -> None:
         """Gradient checkpointing of every block (blocks None), as diffusers'
-        enable_gradient_checkpointing does it, or of the named blocks (zerotrain.recompute)."""
+        enable_gradient_checkpointing does it, or of the named blocks (zerotrain.recompute), through
+        checkpoint_fn(function, *args) (default: non-reentrant torch.utils.checkpoint; activation
+        offload: recompute.OffloadingCheckpoint)."""
         from zerotrain import recompute
 
-        recompute.enable(model, blocks)
+        recompute.enable(model, blocks, checkpoint_fn or recompute.default_checkpoint)
 
     # --- conditioning ------------------------------------------------------------------------------
 

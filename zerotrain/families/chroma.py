@@ -105,14 +105,22 @@ def joint_attention_mask(keep: torch.Tensor, image_tokens: int) -> torch.Tensor:
     return ChromaPipeline._prepare_attention_mask(None, keep.shape[0], image_tokens, torch.bool, keep)
 
 
-def checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    """forward(*args, **kwargs) under non-reentrant activation checkpointing while autograd records."""
+def checkpointed(forward: Any, *args: Any, checkpoint_fn: Any = None, **kwargs: Any) -> Any:
+    """forward(*args, **kwargs) under checkpoint_fn(function, *args) (default: non-reentrant
+    activation checkpointing) while autograd records."""
     import torch
-    from torch.utils.checkpoint import checkpoint
 
-    if torch.is_grad_enabled():
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return forward(*args, **kwargs)
+    from zerotrain import recompute
+
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    # The keyword arguments go in as positional ones, so that checkpoint_fn sees every tensor.
+    names, count = list(kwargs), len(args)
+
+    def call(*values: Any) -> Any:
+        return forward(*values[:count], **dict(zip(names, values[count:])))
+
+    return (checkpoint_fn or recompute.default_checkpoint)(call, *args, *kwargs.values())
 
 
 class Chroma(Flux):
@@ -128,7 +136,7 @@ class Chroma(Flux):
     default_guidance = 5.0
     classifier_free_guidance = True
 
-    def enable_checkpointing(self, model: Any, blocks: list[str] | None = None) -> None:
+    def enable_checkpointing(self, model: Any, blocks: list[str] | None = None, checkpoint_fn: Any = None) -> None:
         """Each block's own forward runs under non-reentrant torch.utils.checkpoint, its arguments
         passed through. Not diffusers' enable_gradient_checkpointing: ChromaTransformer2DModel.forward
         (diffusers 0.42, transformer_chroma.py:588) then calls the single-stream blocks without their
@@ -137,7 +145,7 @@ class Chroma(Flux):
 
         units = recompute.checkpoint_units(model)
         for name in units if blocks is None else blocks:
-            units[name].forward = functools.partial(checkpointed, units[name].forward)
+            units[name].forward = functools.partial(checkpointed, units[name].forward, checkpoint_fn=checkpoint_fn)
 
     def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
         """prompt_embeds (B, T, d_T5): T5's sequence of max_sequence_length = text_tokens tokens, run with

@@ -84,6 +84,11 @@ class ModelFacts:
     checkpoint_units: list[CheckpointUnit] = field(default_factory=list)
     """The blocks partial checkpointing can choose, best first: the most activation bytes freed
     per FLOP recomputed. Checkpointing k blocks means the first k of checkpoint_order()."""
+    offload_input_bytes: list[int] = field(default_factory=list)
+    """With every block checkpointed: each checkpoint input activation offload moves to the host
+    (zerotrain.recompute.offloaded), once however many blocks it feeds, in bytes per sample."""
+    offload_largest_call: int = 0
+    """The most of those bytes one block takes (brought back to the GPU for its recomputation)."""
     trace_seconds: float = 0.0
     cached: bool = field(default=False, compare=False)
 
@@ -101,15 +106,24 @@ class ModelFacts:
         """Every checkpointable block, best first."""
         return [name for unit in self.checkpoint_units for name in unit.names]
 
-    def activations(self, gradient_checkpointing: bool, blocks: int | None = None) -> ActivationFacts:
+    def activations(self, gradient_checkpointing: bool, blocks: int | None = None,
+                    offload: bool = False) -> ActivationFacts:
         """Activations without checkpointing, with every block checkpointed (blocks None, or all of
         them), or with the first `blocks` of checkpoint_order(): the saved bytes less what those
         blocks free, the FLOPs plus their recomputation, and the larger transient of the two
-        extremes on top (one block's recomputation at most; the activation gradients)."""
+        extremes on top (one block's recomputation at most; the activation gradients).
+        offload (every block checkpointed): its inputs on the host instead (offload_input_bytes),
+        and one block's back on the GPU for its recomputation on top of each peak."""
         if not gradient_checkpointing or blocks == 0:
             return self.no_checkpointing
         if blocks is None or blocks >= self.checkpoint_blocks:
-            return self.checkpointing
+            if not offload:
+                return self.checkpointing
+            every, moved = self.checkpointing, sum(self.offload_input_bytes)
+            back = self.offload_largest_call - moved
+            return ActivationFacts(saved_bytes=every.saved_bytes - moved, flops=every.flops,
+                                   forward_peak_bytes=every.forward_peak_bytes + back,
+                                   backward_peak_bytes=every.backward_peak_bytes + back)
         freed, recompute, left = 0, 0.0, blocks
         for unit in self.checkpoint_units:
             n = min(left, len(unit.names))

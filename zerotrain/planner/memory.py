@@ -72,6 +72,9 @@ class Layout:
     zeropp: str = "none"
     """ZeRO-3 across nodes: none, hpz (secondary partition per node) or hpz-qwz-qgz (and quantized
     weight gathers and gradient reductions)."""
+    offload_activations: bool = False
+    """With every block checkpointed: the checkpointed blocks' inputs wait in pinned host memory
+    for the backward (zerotrain.recompute.OffloadingCheckpoint)."""
 
     @property
     def bf16_masters(self) -> bool:
@@ -83,6 +86,8 @@ class Layout:
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_param != "none":
             parts.append(f"param->{self.offload_param}")
+        if self.offload_activations:
+            parts.append("act->cpu")
         return " ".join(parts)
 
 
@@ -111,6 +116,9 @@ class Sizes:
     allocation rounds up on its own."""
     all_trainable: bool = True
     """A full fine-tune: every entry of param_numels is trainable (LoRA: only the adapters)."""
+    offload_activation_bytes: tuple[int, ...] = ()
+    """Per sample, each checkpoint input activation offload moves to the host
+    (ModelFacts.offload_input_bytes)."""
 
 
 @dataclass(frozen=True)
@@ -477,6 +485,10 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
       (partition_parameters.py)."""
     per_rank = s.trainable_params // s.world_size
     out: list[HostBuffer] = []
+    if layout.offload_activations:
+        # one pinned copy of each offloaded input (recompute._to_pinned_host), a micro-batch's worth
+        out.append(HostBuffer("offloaded activations",
+                              tuple(n * layout.micro_batch for n in s.offload_activation_bytes), pinned=True))
     m = master_element(layout)
     if layout.offload_optimizer == "cpu":
         if layout.stage == 3:

@@ -14,6 +14,7 @@ from zerotrain.planner.measure import measure_model
 from zerotrain.planner.search import (
     Candidate,
     Plan,
+    describe,
     gib,
     plan,
     suggest_gpu_memory,
@@ -31,7 +32,7 @@ def best_per_layout(candidates: list[Candidate]) -> list[Candidate]:
     best: dict[tuple, Candidate] = {}
     for c in candidates:
         key = (c.layout.stage, c.layout.offload_optimizer, c.layout.offload_param, c.layout.gradient_checkpointing,
-               c.layout.checkpointed_blocks, c.layout.optimizer, c.layout.zeropp)
+               c.layout.checkpointed_blocks, c.layout.optimizer, c.layout.zeropp, c.layout.offload_activations)
         current = best.get(key)
         rank = (c.fits, c.images_per_second if c.fits else -c.memory.device_total)
         if current is None or rank > (current.fits, current.images_per_second if current.fits
@@ -108,6 +109,42 @@ def _fits_with(spec: ModelSpec, hw: HardwareFacts, run: RunConfig, overrides: di
     except (ZerotrainError, ValueError):
         return None
     return result if result.chosen else None
+
+
+def base_choices(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunConfig, result: Plan) -> list[str]:
+    """LoRA on a big model: the frozen base streamed by ZeRO-3 (DeepSpeed's parameter offload) weighed
+    against a quantized base, each alternative planned again with its own facts; only where the
+    choice is live (the plan streams the base, or the base is quantized). Quantizing changes the
+    model's forward, so it stays the config's choice (training.quantize_base): the plan states the
+    trade."""
+    c = result.chosen
+    if run.training.mode is not Mode.lora or c is None:
+        return []
+    streams = c.layout.offload_param != "none" and facts.quantize == Quantization.none.value
+    if not streams and run.training.quantize_base is Quantization.none:
+        return []
+    lines = []
+    if streams:
+        transfers = c.time_terms.get("param transfers", 0.0) + c.time_terms.get("nvme", 0.0)
+        lines.append(f"Streams the frozen base: ZeRO-3 param->{c.layout.offload_param} keeps its {gib(facts.frozen_bytes)} "
+                     f"in host memory and moves it to the GPU in every forward, backward and recomputation: "
+                     f"{transfers:.2f} of the {c.step_seconds:.2f} s/step")
+    options = []
+    for scheme in ("none", "qint8", "qint4"):
+        if scheme == run.training.quantize_base.value:
+            continue
+        trial = _fits_with(spec, hw, run, {"training.quantize_base": scheme})
+        what = "unquantized" if scheme == "none" else f"{scheme} (training.quantize_base={scheme})"
+        if trial is None:
+            options.append(f"{what} does not fit")
+            continue
+        t = trial.chosen
+        how = ", streamed" if t.layout.offload_param != "none" and scheme == "none" else ""
+        options.append(f"{what}{how}: {describe(t.layout)}, {t.step_seconds:.2f} s/step")
+    lines.append(f"The base, weighed (quantizing changes the model's forward, so training.quantize_base decides): "
+                 f"this plan {c.step_seconds:.2f} s/step; " + "; ".join(options) + ". Streaming and quantization do not "
+                 "combine: a quantized base stays outside DeepSpeed, which partitions and offloads only the adapters")
+    return lines
 
 
 def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> list[str]:

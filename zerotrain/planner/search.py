@@ -128,6 +128,7 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         largest_trainable_param=facts.largest_trainable_param,
         total_params=facts.total_params, param_numels=tuple(facts.param_numels),
         all_trainable=facts.trainable_params == facts.total_params,
+        offload_activation_bytes=tuple(facts.offload_input_bytes),
     )
 
 
@@ -137,7 +138,8 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
     if hw.nvme_free_bytes is None:
         allowed.discard("nvme")
     offloads: dict[int, list[tuple[str, str]]] = {}
-    for stage in run.planner.stages:
+    # Compiled blocks (training.compile=true) need ZeRO 0-2: ZeRO-3's hooks split them (engine.compile_choice).
+    for stage in [st for st in run.planner.stages if st < 3 or run.training.compile is not True]:
         options = [("none", "none")] if "none" in allowed else []
         if stage > 0 and "cpu" in allowed:
             options.append(("cpu", "none"))
@@ -146,12 +148,17 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
                         if o[0] in allowed and o[1] in allowed | {"none"}]
         offloads[stage] = options
     training = run.training
+    # (checkpointing, blocks, activation offload): offload is a tier after checkpointing every block
+    offload_acts = {"auto": [False, True] if "cpu" in allowed else [False], True: [True], False: [False]}[
+        training.activation_offload]
     if training.checkpoint_blocks is not None:
-        checkpointing = [(True, training.checkpoint_blocks)]
+        checkpointing = [(True, training.checkpoint_blocks, False)]
     elif training.gradient_checkpointing == "auto":
-        checkpointing = [(False, None), (True, None)]
+        checkpointing = [(False, None, False), *((True, None, act) for act in offload_acts)]
+    elif training.gradient_checkpointing:
+        checkpointing = [(True, None, act) for act in offload_acts]
     else:
-        checkpointing = [(training.gradient_checkpointing, None)]
+        checkpointing = [(False, None, False)]
     if training.micro_batch_size == "auto":
         micros = [m for m in range(1, min(per_rank_batch, run.planner.max_micro_batch) + 1) if per_rank_batch % m == 0]
     else:
@@ -160,9 +167,9 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
     # ZeRO++ splits ZeRO-3's traffic between the node and the network: several nodes only.
     zeropp = run.planner.zeropp if hw.nodes > 1 and hw.gpus_per_node > 1 else ["none"]
     return [
-        Layout(stage, opt, param, gc, micro, per_rank_batch // micro, blocks, optimizer, plus)
+        Layout(stage, opt, param, gc, micro, per_rank_batch // micro, blocks, optimizer, plus, act)
         for stage, options in offloads.items() for opt, param in options
-        for gc, blocks in checkpointing for micro in micros
+        for gc, blocks, act in checkpointing for micro in micros
         # bf16 masters need ZeRO 1-3; the client optimizers step on the GPU (zerotrain/optimizers.py)
         for optimizer in optimizers if (stage > 0 or optimizer == "adamw")
         and (opt == "none" or optimizer not in CLIENT_OPTIMIZERS)
@@ -180,7 +187,7 @@ def recomputed_fraction(layout: Layout, facts: ModelFacts) -> float:
 
 
 def activations(layout: Layout, facts: ModelFacts):
-    return facts.activations(layout.gradient_checkpointing, layout.checkpointed_blocks)
+    return facts.activations(layout.gradient_checkpointing, layout.checkpointed_blocks, layout.offload_activations)
 
 
 def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, run: RunConfig) -> dict[str, float]:
@@ -229,6 +236,10 @@ def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, ru
         # gradients down every micro-step, updated bf16 parameters up once per step
         terms["offload transfers"] = LP * per_rank * (layout.accumulation + 1) / hw.host_to_device_bandwidth
         terms["cpu adam"] = per_rank * hw.gpus_per_node / run.planner.cpu_adam_params_per_second
+    if layout.offload_activations:
+        # each offloaded input down in forward and up for its recomputation, not overlapped
+        moved = sum(facts.offload_input_bytes) * layout.micro_batch * layout.accumulation
+        terms["activation transfers"] = 2 * moved / hw.host_to_device_bandwidth
     if layout.offload_param != "none":
         moves = 2 + recomputed_fraction(layout, facts)
         terms["param transfers"] = moves * shardable / n * layout.accumulation / hw.host_to_device_bandwidth
@@ -289,8 +300,15 @@ def check_batch(run: RunConfig, hw: HardwareFacts) -> int:
 
 
 def check_blocks(run: RunConfig, facts: ModelFacts) -> None:
-    """training.checkpoint_blocks against the model's checkpointable blocks."""
-    blocks = run.training.checkpoint_blocks
+    """training.checkpoint_blocks and activation_offload against the model's checkpointable blocks."""
+    blocks, training = run.training.checkpoint_blocks, run.training
+    if training.activation_offload is True:
+        if training.gradient_checkpointing is False or blocks is not None:
+            raise ZerotrainError("training.activation_offload=true offloads the inputs of every checkpointed block: it "
+                                 "needs gradient_checkpointing auto or true and no checkpoint_blocks")
+        if not facts.offload_input_bytes:
+            raise ZerotrainError(f"training.activation_offload=true: {facts.model}'s checkpointed blocks take no input "
+                                 "large enough to offload (1 MiB or more); set it to auto or false")
     if blocks is None:
         return
     if run.training.gradient_checkpointing is False:
@@ -314,7 +332,8 @@ def partial_checkpointing(candidates: list[Candidate], facts: ModelFacts, hw: Ha
     found = []
     for c in candidates:
         layout = c.layout
-        if not (c.fits and layout.gradient_checkpointing and layout.checkpointed_blocks is None):
+        if not (c.fits and layout.gradient_checkpointing and layout.checkpointed_blocks is None) \
+                or layout.offload_activations:
             continue
         plain = by_layout.get(dataclasses.replace(layout, gradient_checkpointing=False))
         if plain is None or plain.fits:
@@ -364,7 +383,8 @@ def plan(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Plan:
     """All candidates, the fastest one that fits, and the reasons, in words."""
     per_rank = check_batch(run, hw)
     check_blocks(run, facts)
-    candidates = [evaluate(layout, facts, hw, run) for layout in layouts(run, hw, per_rank)]
+    candidates = [evaluate(layout, facts, hw, run) for layout in layouts(run, hw, per_rank)
+                  if facts.offload_input_bytes or not layout.offload_activations]
     candidates += partial_checkpointing(candidates, facts, hw, run)
     preference = optimizer_preference(run)
     candidates.sort(key=lambda c: (not c.fits, -c.images_per_second, preference.get(c.layout.optimizer, 0),
@@ -402,6 +422,9 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
         f"{gib(run.planner.cuda_context_bytes)}, NCCL {gib(run.planner.nccl_workspace_bytes)} and "
         f"{run.planner.fragmentation:.0%} allocator fragmentation"),
     ]
+    if run.training.compile is True and 3 in run.planner.stages:
+        lines.append("training.compile=true: ZeRO-3 is left out, since its parameter hooks would split every compiled "
+                     "block into pieces")
     if facts.quantize != "none" and 3 in run.planner.stages:
         lines.append("ZeRO-3 cannot shard the quantized base: it stays whole on every GPU; only LoRA is partitioned")
     fitting = [c for c in p.candidates if c.fits]
@@ -423,6 +446,8 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
         lines.append("No gradient checkpointing: the activations fit, so no time is spent recomputing them")
     elif c.layout.checkpointed_blocks is not None and c.layout.checkpointed_blocks < facts.checkpoint_blocks:
         lines.append(partial_reason(c, p.candidates, facts))
+    elif c.layout.offload_activations:
+        lines.append(offload_reason(c, p.candidates, facts))
     else:
         faster = [x for x in p.candidates if not x.layout.gradient_checkpointing and x.layout.stage == c.layout.stage]
         if faster and not any(x.fits for x in faster):
@@ -434,6 +459,20 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
         x = min(lower, key=lambda x: x.memory.device_total)
         lines.append(f"Lower stages do not fit: {describe(x.layout)} {x.rejected}")
     return lines
+
+
+def offload_reason(c: Candidate, candidates: list[Candidate], facts: ModelFacts) -> str:
+    """Why the chosen layout offloads activations: what moves, what it costs, and the layout
+    without it."""
+    moved = sum(facts.offload_input_bytes) * c.layout.micro_batch
+    line = (f"Activation offload: the inputs of every checkpointed block ({len(facts.offload_input_bytes)} tensors, "
+            f"{gib(moved)} per micro-batch) wait in pinned host memory, {c.time_terms['activation transfers']:.2f} "
+            f"s/step of transfers")
+    kept = {x.layout: x for x in candidates}.get(dataclasses.replace(c.layout, offload_activations=False))
+    if kept is not None:
+        line += (f"; kept on the GPU, this layout {kept.rejected}" if not kept.fits else
+                 f"; kept on the GPU it predicts {kept.step_seconds:.2f} s/step, this {c.step_seconds:.2f}")
+    return line
 
 
 def partial_reason(c: Candidate, candidates: list[Candidate], facts: ModelFacts) -> str:
@@ -460,6 +499,8 @@ def describe(layout: Layout) -> str:
         gc = f"checkpointing {layout.checkpointed_blocks} blocks"
     if layout.optimizer != "adamw":
         gc = f"{layout.optimizer}, {gc}"
+    if layout.offload_activations:
+        gc = f"{gc} with activations offloaded to the CPU"
     if layout.zeropp != "none":
         gc = f"ZeRO++ {layout.zeropp}, {gc}"
     return f"{layout.label()}, {gc}, micro-batch {layout.micro_batch} x accumulation {layout.accumulation}"

@@ -441,6 +441,28 @@ def block_params(model: torch.nn.Module) -> dict[str, int]:
     return blocks
 
 
+def offload_inputs(model: torch.nn.Module, inputs: dict[str, Any], family: Any) -> tuple[list[int], int]:
+    """What activation offload would move with every block checkpointed: one forward (no backward:
+    only the checkpoint inputs matter) through the family's own checkpointing, recording the inputs
+    zerotrain.recompute.offloaded selects, each tensor once. Returns their bytes, and the most bytes
+    of one block's."""
+    seen: dict[int, torch.Tensor] = {}  # kept alive for the pass, so that ids stay unique
+    largest = 0
+
+    def record(function: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal largest
+        moved = [a for a in args if recompute.offloaded(a)]
+        largest = max(largest, sum(a.numel() * a.element_size() for a in moved))
+        seen.update((id(a), a) for a in moved)
+        return function(*args, **kwargs)
+
+    family.enable_checkpointing(model, None, record)
+    with torch.enable_grad():
+        model(**inputs, return_dict=False)
+    model.disable_gradient_checkpointing()
+    return [t.numel() * t.element_size() for t in seen.values()], largest
+
+
 def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
     """Build, count and trace the model for this run's mode and resolution."""
     start = time.perf_counter()
@@ -460,6 +482,7 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
     no_gc, plain = trace_by_blocks(model, inputs, False, saved_inputs_of, family.prediction)
     gc, checkpointed = trace_by_blocks(model, inputs, True, saved_inputs_of, family.prediction)
     units = checkpoint_costs(model, inputs, no_gc, plain, checkpointed, saved_inputs_of, family.prediction)
+    moved, largest_call = offload_inputs(model, inputs, family)
     facts = ModelFacts(
         model=spec.name, class_name=spec.class_name, family=spec.family, resolution=resolution,
         mode=run.training.mode.value, quantize=quantize.value,
@@ -471,6 +494,7 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
         param_numels=sorted(p.numel() for p in params),
         largest_trainable_param=max((p.numel() for p in params if p.requires_grad), default=0),
         image_tokens=family.image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
-        no_checkpointing=no_gc, checkpointing=gc, checkpoint_units=units, trace_seconds=round(time.perf_counter() - start, 3),
+        no_checkpointing=no_gc, checkpointing=gc, checkpoint_units=units, offload_input_bytes=moved,
+        offload_largest_call=largest_call, trace_seconds=round(time.perf_counter() - start, 3),
     )
     return facts

@@ -1,0 +1,56 @@
+"""Compiled blocks (training.compile, issue 14): the engine's regional compilation (engine.apply_mode
+-> compile_blocks, diffusers' compile_repeated_blocks) trains tiny-flux on the CPU with the same
+losses as the eager model, within bf16 tolerance; and where the stage, the accelerator or a
+quantized base rule it out, auto stays eager and true is refused or honoured as documented. The
+speed-up is a GPU measurement (benchmarks/gpu_suite.py), never a test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_facts import cpu_inputs, real_model, spec_of
+from zerotrain.config import load_config
+from zerotrain.engine import apply_mode, compile_choice
+from zerotrain.errors import ZerotrainError
+from zerotrain.families import of
+
+STEPS = 3
+
+
+def losses(compile: bool) -> tuple[list[float], list[str]]:
+    spec = spec_of("tiny-flux")
+    run = load_config(None, ["model.name_or_path=tiny-flux", "training.mode=full",
+                             f"training.compile={str(compile).lower()}"])
+    model = real_model(spec)
+    done = apply_mode(model, spec, run, True, stage=2)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    out = []
+    for _ in range(STEPS):
+        prediction = of(spec).prediction(model(**cpu_inputs(spec), return_dict=False)[0])
+        loss = prediction.float().square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(loss.item())
+    return out, done
+
+
+def test_compiled_blocks_train_as_the_eager_model():
+    eager, eager_log = losses(False)
+    compiled, compiled_log = losses(True)
+    assert eager_log[-1] == "blocks run eagerly (training.compile=false)"
+    assert compiled_log[-1].endswith("FluxTransformerBlock, FluxSingleTransformerBlock"), compiled_log
+    assert compiled[-1] < compiled[0]
+    assert compiled == pytest.approx(eager, rel=1e-2), (eager, compiled)
+
+
+def test_auto_compiles_only_where_it_can_pay_off():
+    auto = load_config(None, [])
+    assert compile_choice(auto, 2) == (False, ("blocks run eagerly on the CPU accelerator, where compiling takes "
+                                              "longer than tiny runs last (training.compile=auto; true compiles)"))
+    assert compile_choice(auto, 3)[0] is False and "ZeRO-3's parameter hooks" in compile_choice(auto, 3)[1]
+    forced = load_config(None, ["training.compile=true"])
+    assert compile_choice(forced, 0)[0] and compile_choice(forced, 2)[0]
+    with pytest.raises(ZerotrainError, match="training.compile=true with ZeRO-3: DeepSpeed's parameter hooks"):
+        compile_choice(forced, 3)
