@@ -198,7 +198,7 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
 
 def grid(result: Plan, kind: str) -> list[Layout]:
     """The layouts to measure, each as one micro-batch per optimizer step: the plan's choice and its
-    neighbours one change away (star: another stage, checkpointing, micro-batch or offload), every
+    neighbours one change away (star: another stage, checkpointing, micro-batch, offload or optimizer), every
     candidate (full), or the choice alone. When nothing fits, the candidate with the smallest GPU
     need takes the choice's place."""
     center = result.chosen or min(result.candidates, key=lambda c: c.memory.device_total)
@@ -209,10 +209,13 @@ def grid(result: Plan, kind: str) -> list[Layout]:
     if kind == "full":
         return [a] + [layout for layout in every if layout != a]
 
+    def recompute(b: Layout) -> tuple:  # checkpointing: none, some blocks, all, all with activation offload
+        return b.gradient_checkpointing, b.checkpointed_blocks, b.offload_activations
+
     def changes(b: Layout) -> int:
-        return sum((b.stage != a.stage, b.gradient_checkpointing != a.gradient_checkpointing,
-                    b.micro_batch != a.micro_batch,
-                    (b.offload_optimizer, b.offload_param) != (a.offload_optimizer, a.offload_param)))
+        return sum((b.stage != a.stage, recompute(b) != recompute(a), b.micro_batch != a.micro_batch,
+                    (b.offload_optimizer, b.offload_param) != (a.offload_optimizer, a.offload_param),
+                    (b.optimizer, b.zeropp) != (a.optimizer, a.zeropp)))
 
     star = [a] + [layout for layout in every if changes(layout) == 1]
     # Offload needs ZeRO 1+ (parameters: ZeRO-3): the offload neighbours keep the rest and take the
@@ -222,7 +225,7 @@ def grid(result: Plan, kind: str) -> list[Layout]:
     offloads = dict.fromkeys((b.offload_optimizer, b.offload_param) for b in every)
     for offload in [o for o in offloads if o != (a.offload_optimizer, a.offload_param)]:
         alike = [b for b in every if (b.offload_optimizer, b.offload_param) == offload
-                 and (b.gradient_checkpointing, b.micro_batch) == (a.gradient_checkpointing, a.micro_batch)]
+                 and (recompute(b), b.micro_batch, b.optimizer) == (recompute(a), a.micro_batch, a.optimizer)]
         if alike:
             star.append(min(alike, key=lambda b: abs(b.stage - a.stage)))
     return list(dict.fromkeys(star))

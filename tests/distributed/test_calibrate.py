@@ -68,7 +68,9 @@ def test_calibrate_two_ranks_runs_the_star_grid(shared_cache, tmp_path):
     assert all(r["status"] == "ok" and r["measured"]["forward_backward_s"] > 0 for r in rows), \
         [r["status"] for r in rows]
     offloaded = [r for r in rows if r["layout"]["offload_optimizer"] == "cpu"]
-    assert {r["layout"]["stage"] for r in offloaded} >= {1, 3}
+    # CPU offload at ZeRO-3 and at the ZeRO 1/2 stage nearest the plan's choice
+    stages = {r["layout"]["stage"] for r in offloaded}
+    assert 3 in stages and stages & {1, 2}, stages
     # The fitted rate steps the offloaded layouts' parameters in the optimizer time measured for them
     # (on CPU there are no host<->device copies to take out). The planner's "cpu adam" term at the
     # default rate says how many parameters each step updates.
