@@ -230,8 +230,31 @@ def initialize(model: torch.nn.Module, trainable: list[torch.nn.Parameter], ds_c
     optimizer = optimizers.build(settings, trainable) if settings else None
     config = {k: v for k, v in ds_config.items() if k != "_zerotrain"}
     with zero3_shares_bf16_masters():
-        return deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer, config=config,
-                                    **kwargs)
+        out = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer, config=config,
+                                   **kwargs)
+    share_upload_copies(out[1])
+    return out
+
+
+def share_upload_copies(optimizer: Any) -> None:
+    """ZeRO 1/2 with the optimizer offloaded keep a pinned bf16 copy of each master partition, which
+    every step fills from the master before copying it to the GPU (stage_1_and_2.py
+    param_buffer_of_bit16_for_cpu_offload_groups). With bf16 masters (adamw-bf16) the copy equals
+    the master: the master takes its place, and the copy's pinned memory (2 bytes per trainable
+    parameter) goes back before the first step allocates the moments. DeepSpeed's own step then
+    copies the master into itself and uploads it as before."""
+    buffers = getattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", None)
+    masters = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    if not buffers or not masters:
+        return
+    shared = False
+    for i, (buffer, master) in enumerate(zip(buffers, masters, strict=True)):
+        if (buffer.dtype, buffer.shape, buffer.device) == (master.dtype, master.shape, master.device) \
+                and buffer.data_ptr() != master.data_ptr():
+            buffers[i] = master
+            shared = True
+    if shared and torch.cuda.is_available():
+        torch._C._host_emptyCache()  # torch's caching host allocator keeps freed pinned blocks otherwise
 
 
 @contextlib.contextmanager

@@ -120,8 +120,10 @@ def offload_staging(zero) -> dict[str, int]:
     fp32 master, the moments and the fp32 gradient partition."""
     return {
         # pinned host: bf16 copy of the updated partition, for the copy back to the GPU
+        # (with bf16 masters the master itself: engine.share_upload_copies; no second buffer)
         "host param_buffer_of_bit16_for_cpu_offload_groups": storage_bytes(
-            zero.param_buffer_of_bit16_for_cpu_offload_groups),
+            b for b, m in zip(zero.param_buffer_of_bit16_for_cpu_offload_groups, zero.single_partition_of_fp32_groups)
+            if b.untyped_storage().data_ptr() != m.untyped_storage().data_ptr()),
         # pinned host: one bf16 gradient of the largest parameter
         "host temp_grad_buffer_for_cpu_offload": storage_bytes([zero.temp_grad_buffer_for_cpu_offload]),
         # pinned host: bf16 gradients accumulated across micro-batches (whole parameters of the partition)

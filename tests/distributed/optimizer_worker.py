@@ -3,7 +3,7 @@ tiny-flux (the same random weights every time) for STEPS optimizer steps on one 
 zerotrain's own DeepSpeed config and engine, and writes the losses. Started by the test with
 RANK/WORLD_SIZE set:
 
-    python optimizer_worker.py MODEL_DIR OUT.json STAGE:OPTIMIZER ...
+    python optimizer_worker.py MODEL_DIR OUT.json STAGE:OPTIMIZER[:cpu] ...
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> int:
 
     from zerotrain.config import load_config
     from zerotrain.distributed import shutdown, topology
-    from zerotrain.engine import apply_mode, build_engine, load_denoiser
+    from zerotrain.engine import apply_mode, build_engine, cpu_adam_unavailable, load_denoiser
     from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
     from zerotrain.planner.deepspeed_json import deepspeed_config
@@ -40,12 +40,17 @@ def main() -> int:
         "optimizer.weight_decay=0", "planner.stage3_param_persistence_threshold=0",
         f"data.datasets=[{{path: '{EXAMPLES / 'tiny-data'}'}}]"])
     spec = resolve_model(run.model)
+    if any(case.endswith(":cpu") for case in cases):  # built one rank at a time, as train.py does
+        unavailable = cpu_adam_unavailable()
+        if unavailable:
+            raise SystemExit(unavailable)
     losses = {}
     for case in cases:
-        stage, optimizer = case.split(":")
+        stage, optimizer, *offload = case.split(":")  # STAGE:OPTIMIZER[:cpu]
         model = load_denoiser(spec, model_dir)
         apply_mode(model, spec, run, gradient_checkpointing=False)
-        layout = Layout(int(stage), micro_batch=1, accumulation=1, optimizer=optimizer)
+        layout = Layout(int(stage), offload[0] if offload else "none", micro_batch=1, accumulation=1,
+                        optimizer=optimizer)
         engine = build_engine(model, deepspeed_config(layout, run, topo.world_size), run, torch.device("cpu"))
         torch.manual_seed(100 + topo.rank)  # each rank its own sample, the same for every case
         inputs = example_inputs(spec, 1, 64, 64, 8, "cpu", torch.bfloat16)

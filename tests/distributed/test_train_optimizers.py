@@ -21,6 +21,9 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("optimizer_worker.py")
 OTHERS = ("adamw-bf16", "adamw-8bit", "adafactor")
 CASES = [f"{stage}:{optimizer}" for stage in (1, 2, 3) for optimizer in ("adamw", *OTHERS)]
+# adamw-bf16 offloaded at ZeRO-2: DeepSpeedCPUAdam with bf16 moments, stepping the bf16 master
+# that is also the upload copy (engine.share_upload_copies).
+CASES.append("2:adamw-bf16:cpu")
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +48,10 @@ def test_optimizer_trains_close_to_fp32_adamw(losses, stage, optimizer):
     within = {"adamw-bf16": 0.05, "adamw-8bit": 0.05, "adafactor": 0.25}[optimizer]
     for step, (a, b) in enumerate(zip(fp32, other, strict=True)):
         assert abs(a - b) <= within * a, f"step {step + 1}: adamw {a:.4f}, {optimizer} {b:.4f}"
+
+
+def test_offloaded_adamw_bf16_trains_close_to_fp32_adamw(losses):
+    fp32, offloaded = losses["2:adamw"], losses["2:adamw-bf16:cpu"]
+    assert offloaded[-1] < 0.8 * offloaded[0], offloaded
+    for step, (a, b) in enumerate(zip(fp32, offloaded, strict=True)):
+        assert abs(a - b) <= 0.05 * a, f"step {step + 1}: adamw {a:.4f}, offloaded adamw-bf16 {b:.4f}"

@@ -32,7 +32,9 @@ pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("universal_worker.py")
 # (stage saved, stage loaded, ranks saving, ranks loading)
-CASES = [(2, 2, 2, 1), (2, 2, 1, 2), (3, 3, 2, 1), (3, 3, 1, 2)]
+# The state check in the two directions test_training_continues_on_another_world_size does not
+# run end to end (it runs ZeRO-2 2 -> 1 and ZeRO-3 1 -> 2): together every stage goes both ways.
+CASES = [(2, 2, 1, 2), (3, 3, 2, 1)]
 # After a resume on another world size the ranks draw other noise and timesteps than the
 # uninterrupted run's, so a step's loss (the mean over its 2 images) differs by sampling noise. One
 # image's loss varies with a relative standard deviation of 2.3% over noise and timestep draws
@@ -54,7 +56,7 @@ def worker(mode: str, run_dir: Path, model_dir: Path, stage: int, world: int, tm
 
 
 @pytest.mark.parametrize(("saved_stage", "stage", "before", "after"), CASES,
-                         ids=["zero2-2to1", "zero2-1to2", "zero3-2to1", "zero3-1to2"])
+                         ids=["zero2-1to2", "zero3-2to1"])
 def test_resumed_engine_holds_the_saved_state(shared_cache, tmp_path, saved_stage, stage, before, after):
     import torch
 

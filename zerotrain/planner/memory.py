@@ -474,7 +474,8 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
     real CPU engine; what is pinned is read from the source:
     - ZeRO 1/2 (stage_1_and_2.py): the fp32 master partition (single_partition_of_fp32_groups)
       and its fp32 gradient, a bf16 copy of the partition for the upload after the step
-      (param_buffer_of_bit16_for_cpu_offload_groups) and a bf16 gradient of the largest parameter
+      (param_buffer_of_bit16_for_cpu_offload_groups; with bf16 masters the master itself,
+      engine.share_upload_copies) and a bf16 gradient of the largest parameter
       (temp_grad_buffer_for_cpu_offload) are pinned; with gradient accumulation, ZeRO-2 pins a
       bf16 accumulator per parameter (accumulated_grads_in_cpu). DeepSpeedCPUAdam's moments are
       plain host tensors (cpu_adam.py: zeros_like).
@@ -499,8 +500,9 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
         else:
             out += [HostBuffer("fp32 master", (m * per_rank,), pinned=True),
                     HostBuffer("fp32 grads", (m * per_rank,), pinned=True),
-                    HostBuffer("bf16 upload copy", (LP * per_rank,), pinned=True),
                     HostBuffer("grad staging", (LP * s.largest_trainable_param,), pinned=True)]
+            if not layout.bf16_masters:  # a bf16 master is its own upload copy (engine.share_upload_copies)
+                out.append(HostBuffer("bf16 upload copy", (LP * per_rank,), pinned=True))
             if layout.stage == 2 and layout.accumulation > 1:
                 if s.all_trainable and s.param_numels:
                     sizes = tuple(LP * n for n in _rank_share(s.param_numels, s.world_size))
