@@ -47,6 +47,7 @@ import torch
 
 from zerotrain.distributed import Topology, accelerator, all_ok, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
+from zerotrain.optimizers import name_of
 from zerotrain.planner.memory import CLIENT_OPTIMIZERS
 
 LATEST = "latest"
@@ -83,8 +84,6 @@ def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -
 def layout(engine: Any) -> dict[str, Any]:
     """What a checkpoint's DeepSpeed files depend on: how many ranks partitioned it, how, and the
     optimizer (optimizer.name: its states' layout and dtypes)."""
-    from zerotrain.optimizers import name_of
-
     return {"world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
             "optimizer": name_of(engine.optimizer)}
 

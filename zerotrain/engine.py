@@ -153,8 +153,8 @@ def compile_choice(run: RunConfig, stage: int) -> tuple[bool, str]:
                                  "planner.stages to [0, 1, 2]")
         return False, "blocks run eagerly: ZeRO-3's parameter hooks would split compiled blocks (training.compile=auto)"
     if asked == "auto" and accelerator()[0] == "cpu":
-        return False, ("blocks run eagerly on the CPU accelerator, where compiling takes longer than tiny runs last " \
-                      "(training.compile=auto; true compiles)")
+        return False, ("blocks run eagerly on the CPU accelerator, where compiling takes longer than tiny runs last "
+                       "(training.compile=auto; true compiles)")
     if asked == "auto" and run.training.quantize_base is not Quantization.none:
         return False, "blocks run eagerly over a quantized base (training.compile=auto; true compiles)"
     return True, "each repeated block compiled with torch.compile (regional compilation; the first steps compile)"

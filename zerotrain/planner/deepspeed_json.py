@@ -13,6 +13,7 @@ from typing import Any
 
 from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError
+from zerotrain.optimizers import client_settings
 from zerotrain.planner.memory import CLIENT_OPTIMIZERS, Layout
 
 
@@ -80,8 +81,6 @@ def optimizer_section(name: str, run: RunConfig) -> dict[str, Any]:
     (zerotrain/optimizers.py) and handed to deepspeed.initialize, which then must find no such
     section and needs zero_allow_untested_optimizer; which one, and its settings, are written under
     "_zerotrain" (DeepSpeed ignores the key), so that the JSON says what trains."""
-    from zerotrain.optimizers import client_settings
-
     opt = run.optimizer
     if name in CLIENT_OPTIMIZERS:
         return {"zero_allow_untested_optimizer": True, "_zerotrain": {"optimizer": client_settings(name, run)}}

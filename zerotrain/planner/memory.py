@@ -152,11 +152,11 @@ def moment_bytes(layout: Layout) -> int:
     """DeepSpeed's AdamW's two moments per trainable parameter: fp32 each, or bf16 with adamw-bf16
     (the basic optimizer allocates them like the master; offloaded, DeepSpeed builds
     DeepSpeedCPUAdam with fp32_optimizer_states=False, engine.get_optimizer_configuration). Only
-    these two optimizers are ever offloaded (see optimizer_tensors)."""
+    these two optimizers are ever offloaded (search.layouts)."""
     return 2 * LP if layout.bf16_masters else ADAM
 
 
-def state_bytes(optimizer: str, numel: int) -> int:
+def state_bytes(layout: Layout, numel: int) -> int:
     """The optimizer state of one tensor of `numel` elements, as the optimizer allocates it.
     - adamw, adamw-bf16: exp_avg and exp_avg_sq like the master (moment_bytes).
     - adamw-8bit: bitsandbytes' state1 and state2 (uint8) with their absmax (fp32 per BNB_BLOCK
@@ -164,17 +164,13 @@ def state_bytes(optimizer: str, numel: int) -> int:
     - adafactor: the flat partitions DeepSpeed hands it are 1-D, so transformers' Adafactor keeps
       the unfactored exp_avg_sq, fp32 (zeros_like the fp32 gradient), and a 0-d RMS; with beta1
       None (zerotrain's setting, as the paper's) there is no first moment."""
-    if optimizer == "adamw":
-        return ADAM * numel
-    if optimizer == "adamw-bf16":
-        return 2 * LP * numel
-    if optimizer == "adamw-8bit":
+    if layout.optimizer == "adamw-8bit":
         if numel < BNB_MIN_8BIT:
             return ADAM * numel
         return 2 * (numel + FP32 * -(-numel // BNB_BLOCK) + BNB_QMAP)
-    if optimizer == "adafactor":
+    if layout.optimizer == "adafactor":
         return FP32 * numel
-    raise ValueError(f"unknown optimizer {optimizer}")
+    return moment_bytes(layout) * numel
 
 
 def optimizer_tensors(layout: Layout, s: Sizes, b: Buffers) -> tuple[int, ...]:
@@ -317,7 +313,7 @@ def optimizer_states(layout: Layout, s: Sizes, b: Buffers | None = None) -> int:
     init (initialize_optimizer_states steps once on zero gradients); ZeRO 1-3 at the first step."""
     if layout.offload_optimizer != "none":
         return 0
-    return sum(state_bytes(layout.optimizer, n) for n in optimizer_tensors(layout, s, b or Buffers()))
+    return sum(state_bytes(layout, n) for n in optimizer_tensors(layout, s, b or Buffers()))
 
 
 def reduce_buckets(layout: Layout, s: Sizes, b: Buffers) -> int:
