@@ -253,37 +253,124 @@ def share_upload_copies(optimizer: Any) -> None:
                 and buffer.data_ptr() != master.data_ptr():
             buffers[i] = master
             shared = True
-    if shared and torch.cuda.is_available():
-        torch._C._host_emptyCache()  # torch's caching host allocator keeps freed pinned blocks otherwise
+    if shared:
+        gc_host_memory()
 
 
 @contextlib.contextmanager
 def zero3_shares_bf16_masters() -> Iterator[None]:
-    """ZeRO-3 means to use a sub-group's bf16 partition itself as its master weights when the
-    partition already has the master dtype and sits on the optimizer's device (stage3.py
-    _create_fp32_partitions, "we don't need another copy"), as with bf16 masters and the parameters
-    on the GPU. DeepSpeed 0.19.8 compares the partition's torch.device with its own device, which it
-    keeps as the accelerator's device name, a string: never equal, so it always copies, 2 bytes per
-    trainable parameter. While that method runs, the name is given as the torch.device it names;
-    everything else DeepSpeed does with it is unchanged."""
+    """ZeRO-3 with bf16 masters keeps no buffer that only repeats another (2 bytes per trainable
+    parameter each), while deepspeed.initialize runs:
+    - On the GPU (the optimizer not offloaded), a sub-group's bf16 partition is its own master, as
+      stage3.py _create_fp32_partitions means it to be when the partition already has the master
+      dtype and sits on the optimizer's device ("we don't need another copy"). DeepSpeed 0.19.8
+      compares the partition's torch.device with its own device, which it keeps as the
+      accelerator's device name, a string: never equal, so it always copies. While that method
+      runs, the name is given as the torch.device it names.
+    - Offloaded with the parameters (offload_param and offload_optimizer cpu), the partition is a
+      pinned host buffer (param_groups_fp16_flat_cpu_memory) of the master dtype on the
+      optimizer's device, yet DeepSpeed takes the offload branch first and clones it. The clone is
+      dropped for the partition itself (share_offloaded_masters).
+    - Offloaded, each sub-group's master gradient is a pinned buffer the boundary fills by copying
+      the gradient partition (grad_partitions_flat_buffer, pinned too) into it; with bf16 masters
+      both are bf16 with the same layout, so the master's gradient becomes its sub-group's range of
+      the gradient partition (share_offloaded_grads) and that copy a copy onto itself, which torch
+      skips.
+    Everything else DeepSpeed does with these tensors is unchanged: the step updates the master in
+    place and copies it into the partition (the same memory now), and unscaling or clipping the
+    master's gradient acts on the gradient partition, which the next window's first micro-step
+    overwrites."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
+    create_original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
+    positions_original = DeepSpeedZeroOptimizer_Stage3.set_grad_positions
 
     def create(self: Any) -> Any:
         name = self.device
         if isinstance(name, str) and not self.offload_optimizer:
             self.device = torch.device(name)
         try:
-            return original(self)
+            out = create_original(self)
         finally:
             self.device = name
+        share_offloaded_masters(self)
+        return out
+
+    def set_positions(self: Any) -> Any:  # the last step of __init__ that shapes the gradient buffers
+        out = positions_original(self)
+        share_offloaded_grads(self)
+        return out
 
     DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create
+    DeepSpeedZeroOptimizer_Stage3.set_grad_positions = set_positions
     try:
         yield
     finally:
-        DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = original
+        DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create_original
+        DeepSpeedZeroOptimizer_Stage3.set_grad_positions = positions_original
+
+
+def _host_offloaded_subgroups(zero: Any) -> list[int]:
+    """ZeRO-3 sub-groups whose optimizer steps in host memory (not on NVMe, not on the GPU); none
+    with Muon, whose state DeepSpeed keys by the master while it creates it."""
+    if not zero.offload_optimizer or getattr(zero, "use_muon", False):
+        return []
+    return [i for i in range(len(zero.fp16_groups))
+            if zero.subgroup_to_device.get(i) == "cpu" and not zero._swappable_optimizer_subgroup(i)]
+
+
+def share_offloaded_masters(zero: Any) -> None:
+    """ZeRO-3 with the parameters and the optimizer offloaded: each host sub-group's master is its
+    bf16 partition when the master dtype is bf16 (see zero3_shares_bf16_masters)."""
+    shared = False
+    for i in _host_offloaded_subgroups(zero) if zero.offload_param else []:
+        partition, master = zero.fp16_partitioned_groups_flat[i], zero.fp32_partitioned_groups_flat[i]
+        if partition is None or partition.device.type != "cpu" or partition.data_ptr() == master.data_ptr() \
+                or (partition.dtype, partition.shape) != (master.dtype, master.shape):
+            continue
+        partition.ds_id = master.ds_id
+        partition.requires_grad = True
+        zero.fp32_partitioned_groups_flat[i] = partition
+        shared = True
+    if shared:
+        gc_host_memory()
+
+
+def share_offloaded_grads(zero: Any) -> None:
+    """ZeRO-3 with the optimizer offloaded: each host sub-group's master gradient is its range of
+    the pinned gradient partition when both have the master dtype and the sub-group's parameters lie
+    in it in the order of their gradient positions (see zero3_shares_bf16_masters)."""
+    flat = getattr(zero, "grad_partitions_flat_buffer", None)
+    subgroups = _host_offloaded_subgroups(zero)
+    if flat is None or flat.device.type != "cpu" or not subgroups:
+        return
+    partitions = zero._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+    element = flat.element_size()
+    shared = False
+    offset = 0
+    for i, group in enumerate(zero.fp16_groups):
+        numel = int(zero.fp16_partitioned_groups_flat_numel[i])
+        master = zero.fp32_partitioned_groups_flat[i]
+        view = flat.narrow(0, offset, numel)
+        offset += numel
+        grad = master.grad
+        if i not in subgroups or grad is None or (grad.dtype, grad.numel()) != (flat.dtype, numel) \
+                or grad.data_ptr() == view.data_ptr():
+            continue
+        # The gradient positions DeepSpeed copies by (set_grad_positions) must be the same places.
+        if not all(partitions[p.ds_id].data_ptr() == view.data_ptr() + element * zero.grad_position[
+                zero.get_param_id(p)][1] for p in group):
+            continue
+        master.grad = view
+        shared = True
+    if shared:
+        gc_host_memory()
+
+
+def gc_host_memory() -> None:
+    """Give freed pinned buffers back: torch's caching host allocator keeps them otherwise."""
+    if torch.cuda.is_available():
+        torch._C._host_emptyCache()
 
 
 def cpu_adam_unavailable() -> str | None:

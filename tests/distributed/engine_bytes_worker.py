@@ -253,8 +253,9 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     }
     micro = run.training.micro_batch_size
     accumulation = run.training.global_batch_size // (micro * world)
-    layout = Layout(stage, offload_optimizer=offload, micro_batch=micro, accumulation=accumulation,
-                    optimizer=case.get("optimizer", "adamw"))
+    # offload: none, cpu (the optimizer) or cpu+param (ZeRO-3: the optimizer and the parameters)
+    layout = Layout(stage, offload_optimizer=offload.split("+")[0], offload_param="cpu" if "param" in offload else "none",
+                    micro_batch=micro, accumulation=accumulation, optimizer=case.get("optimizer", "adamw"))
     config = deepspeed_config(layout, run, world_size=world)
 
     gc.collect()  # what earlier cases left for the collector is not freed inside the window
@@ -263,7 +264,7 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     zero = engine.optimizer
     basic = zero.optimizer
 
-    fp32_grad_bytes = [0]
+    fp32_grad_bytes, shared_grad_bytes = [0], [0]
     inner_step = basic.step
 
     def recording_step(*args, **kwargs):
@@ -272,6 +273,10 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
         grads = [p.grad for group in basic.param_groups for p in group["params"]]
         grads += [t.grad for t in master_tensors(zero, stage)]
         fp32_grad_bytes[0] = max(fp32_grad_bytes[0], storage_bytes(grads))
+        if stage == 3 and offload != "none":
+            flat = zero.grad_partitions_flat_buffer.untyped_storage().data_ptr()
+            shared_grad_bytes[0] = storage_bytes(g for g in grads if g is not None
+                                                 and g.untyped_storage().data_ptr() == flat)
         return inner_step(*args, **kwargs)
 
     basic.step = recording_step
@@ -335,22 +340,30 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
         "optimizer states": storage_bytes(adam_moment_tensors(basic)),
         "bf16 grads": bf16_grads,
         # ZeRO-0's fp32 gradients are transient: FP16_Optimizer.step makes an fp32 copy of each
-        # gradient and flattens them, all before the basic optimizer sees the flat one.
-        "fp32 grads": step_peak if stage == 0 else fp32_grad_bytes[0],
+        # gradient and flattens them, all before the basic optimizer sees the flat one. Offloaded
+        # ZeRO-3 gradients that are ranges of the gradient partition itself (adamw-bf16) are no
+        # second buffer.
+        "fp32 grads": step_peak if stage == 0 else fp32_grad_bytes[0] - shared_grad_bytes[0],
     }
+    if "param" in offload:
+        # The parameters offloaded: the trainable partitions are one pinned host buffer
+        # (param_groups_fp16_flat_cpu_memory); what the GPU keeps is the persistent parameters.
+        held["bf16 params"] = storage_bytes(p.data for p in model.parameters() if p.ds_persist)
+        held["host bf16 params"] = storage_bytes(zero.fp16_partitioned_groups_flat)
     # Where DeepSpeed puts each on a GPU machine. Offloaded, ZeRO 1/2 keep the fp32 master, its
     # .grad and the moments on self.device='cpu'; ZeRO-3 keeps fp32_partitioned_groups_flat
     # (and .grad), the moments and the pinned grad_partitions_flat_buffer there.
     on_host = set()
     if offload != "none":
         on_host = {"fp32 master", "optimizer states", "fp32 grads"} | ({"bf16 grads"} if stage == 3 else set())
+    on_host |= {"host bf16 params"} & set(held)
     flats = {t.untyped_storage().data_ptr() for t in getattr(zero, "bit16_groups_flat", [])}
     measured = {
         "optimizer_class": type(basic).__name__,
         "zero_class": type(zero).__name__,
         **counts,
         "param_groups": len(zero.fp16_groups) if stage in (0, 3) else len(basic.param_groups),
-        "device": {k: (0 if k in on_host else v) for k, v in held.items()},
+        "device": {k: (0 if k in on_host else v) for k, v in held.items() if k != "host bf16 params"},
         "host": {k: v for k, v in held.items() if k in on_host},
         "staging": offload_staging(zero) if stage in (1, 2) and offload != "none" else {},
         "transients": {

@@ -3,14 +3,21 @@ tiny-flux (the same random weights every time) for STEPS optimizer steps on one 
 zerotrain's own DeepSpeed config and engine, and writes the losses. Started by the test with
 RANK/WORLD_SIZE set:
 
-    python optimizer_worker.py MODEL_DIR OUT.json STAGE:OPTIMIZER[:cpu] ...
+    python optimizer_worker.py MODEL_DIR OUT.json STAGE:OPTIMIZER[:OFFLOAD[:deepspeed]] ...
+
+OFFLOAD: cpu (the optimizer) or cpu+param (ZeRO-3: the optimizer and the parameters; two
+micro-batches of the batch per step, so that the offloaded gradients accumulate). A trailing
+:deepspeed builds the engine with DeepSpeed's own ZeRO-3 buffers, without zerotrain's sharing
+(engine.zero3_shares_bf16_masters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +32,8 @@ def main() -> int:
     import deepspeed
     import torch.nn.functional as F
 
+    from zerotrain import engine as zerotrain_engine
+    from zerotrain.checkpoint import replay_cpu_adam_steps
     from zerotrain.config import load_config
     from zerotrain.distributed import shutdown, topology
     from zerotrain.engine import apply_mode, build_engine, cpu_adam_unavailable, load_denoiser
@@ -40,32 +49,63 @@ def main() -> int:
         "optimizer.weight_decay=0", "planner.stage3_param_persistence_threshold=0",
         f"data.datasets=[{{path: '{EXAMPLES / 'tiny-data'}'}}]"])
     spec = resolve_model(run.model)
-    if any(case.endswith(":cpu") for case in cases):  # built one rank at a time, as train.py does
+    if any(":cpu" in case for case in cases):  # built one rank at a time, as train.py does
         unavailable = cpu_adam_unavailable()
         if unavailable:
             raise SystemExit(unavailable)
     losses = {}
-    for case in cases:
-        stage, optimizer, *offload = case.split(":")  # STAGE:OPTIMIZER[:cpu]
+    sharing = zerotrain_engine.zero3_shares_bf16_masters
+
+    def make_engine(case: str) -> tuple[Any, int]:
+        stage, optimizer, offload, own = (case.split(":") + ["none", ""])[:4]
         model = load_denoiser(spec, model_dir)
         apply_mode(model, spec, run, gradient_checkpointing=False)
-        layout = Layout(int(stage), offload[0] if offload else "none", micro_batch=1, accumulation=1,
-                        optimizer=optimizer)
-        engine = build_engine(model, deepspeed_config(layout, run, topo.world_size), run, torch.device("cpu"))
+        accumulation = 2 if "param" in offload else 1
+        layout = Layout(int(stage), offload.split("+")[0], "cpu" if "param" in offload else "none", micro_batch=1,
+                        accumulation=accumulation, optimizer=optimizer)
+        zerotrain_engine.zero3_shares_bf16_masters = contextlib.nullcontext if own == "deepspeed" else sharing
+        try:
+            batch = run.model_copy(update={"training": run.training.model_copy(
+                update={"global_batch_size": accumulation * topo.world_size})})
+            return build_engine(model, deepspeed_config(layout, batch, topo.world_size), batch,
+                                torch.device("cpu")), accumulation
+        finally:
+            zerotrain_engine.zero3_shares_bf16_masters = sharing
+
+    def train(engine: Any, accumulation: int, steps: int, save: Path | None = None) -> list[float]:
         torch.manual_seed(100 + topo.rank)  # each rank its own sample, the same for every case
         inputs = example_inputs(spec, 1, 64, 64, 8, "cpu", torch.bfloat16)
         target = torch.randn_like(inputs["hidden_states"], dtype=torch.float32)
-        losses[case] = []
-        for _ in range(STEPS):
+        out = []
+        for _ in range(steps * accumulation):
             prediction = engine(**inputs, return_dict=False)[0]
             loss = F.mse_loss(prediction.float(), target)
             engine.backward(loss)
             engine.step()
+            if engine.micro_steps % accumulation:
+                continue
             mean = loss.detach().clone()
             torch.distributed.all_reduce(mean)
-            losses[case].append(mean.item() / topo.world_size)
+            out.append(mean.item() / topo.world_size)
+            if save is not None and len(out) == STEPS // 2:
+                engine.save_checkpoint(str(save), tag="half")
+        return out
+
+    for case in cases:
+        engine, accumulation = make_engine(case)
+        # Offloaded ZeRO-3 also saves half-way; a new engine loads that and trains the second half.
+        resumes = "param" in case and "deepspeed" not in case
+        save = out.parent / ("checkpoint-" + case.replace(":", "_")) if resumes else None
+        losses[case] = train(engine, accumulation, STEPS, save)
         engine.destroy()
-        del engine, model
+        del engine
+        if save is not None:
+            engine, accumulation = make_engine(case)
+            engine.load_checkpoint(str(save), tag="half")
+            replay_cpu_adam_steps(engine)  # as zerotrain's checkpoint.load does
+            losses[f"{case}:resumed"] = train(engine, accumulation, STEPS - STEPS // 2)
+            engine.destroy()
+            del engine
     if topo.is_main:
         out.write_text(json.dumps(losses))
     shutdown(clean=True)

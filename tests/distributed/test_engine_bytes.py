@@ -98,6 +98,10 @@ CASES = [(0, "none", mode, "adamw") for mode in ("full", "lora")] + \
 # at each stage, and offloaded at ZeRO 2 and 3 (DeepSpeedCPUAdam with bf16 moments).
 CASES += [(stage, "none", "full", "adamw-bf16") for stage in (1, 2, 3)] + \
     [(stage, "cpu", "full", "adamw-bf16") for stage in (2, 3)]
+# ZeRO-3 with the parameters offloaded too (ZeRO-Infinity on the host): fp32 AdamW keeps its own
+# master and gradient; adamw-bf16 steps the pinned bf16 partition itself, its gradient a range of
+# the bf16 gradient partition (engine.zero3_shares_bf16_masters).
+CASES += [(3, "cpu+param", "full", "adamw"), (3, "cpu+param", "full", "adamw-bf16")]
 # The client optimizers (ZeRO 1-3, on the GPU): bitsandbytes' 8-bit AdamW on the full model's
 # partitions (8-bit moments) and on LoRA's (below 4096 elements: fp32 moments), and Adafactor.
 CASES += [(1, "none", "full", "adamw-8bit"), (2, "none", "lora", "adamw-8bit"), (3, "none", "full", "adamw-8bit"),
@@ -106,7 +110,7 @@ WORKER = Path(__file__).with_name("engine_bytes_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 # First use JIT-compiles DeepSpeed's CPU ops (shm comm, fused Adam, CPU Adam): minutes once.
 TIMEOUT_S = 900
-ELEMENT = {"bf16 params": 2, "fp32 master": 4, "optimizer states": 8, "bf16 grads": 2, "fp32 grads": 4}
+ELEMENT = {"bf16 params": 2, "host bf16 params": 2, "fp32 master": 4, "optimizer states": 8, "bf16 grads": 2, "fp32 grads": 4}
 # adamw-bf16's master weights, their gradients at the step and the two moments are bf16; the
 # client optimizers step the same bf16 masters: 8-bit moments (padding may add an absmax block of
 # 4 B to each, counted as a third byte per element) or Adafactor's one fp32 moment.
@@ -229,7 +233,8 @@ def layout_for(stage: int, offload: str, run, optimizer: str):
     from zerotrain.planner.memory import Layout
 
     micro = run.training.micro_batch_size
-    return Layout(stage, offload_optimizer=offload, micro_batch=micro,
+    return Layout(stage, offload_optimizer=offload.split("+")[0], offload_param="cpu" if "param" in offload else "none",
+                  micro_batch=micro,
                   accumulation=run.training.global_batch_size // (micro * WORLD), optimizer=optimizer)
 
 
@@ -282,8 +287,8 @@ def test_gpu_bytes_match_planner(engine_bytes, planner, stage, offload, mode, op
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.parametrize(("stage", "offload", "mode", "optimizer"), [c for c in CASES if c[1] == "cpu"],
-                         ids=[case_id(*c) for c in CASES if c[1] == "cpu"])
+@pytest.mark.parametrize(("stage", "offload", "mode", "optimizer"), [c for c in CASES if c[1] != "none"],
+                         ids=[case_id(*c) for c in CASES if c[1] != "none"])
 def test_offloaded_bytes_match_planner_host_buffers(engine_bytes, planner, stage, offload, mode, optimizer):
     """Each host buffer of the offload, per rank, against the planner's (memory.offload_buffers):
     fp32 master, moments, fp32 grads, ZeRO-3's pinned bf16 grad partition, and ZeRO 1/2's pinned
@@ -298,11 +303,12 @@ def test_offloaded_bytes_match_planner_host_buffers(engine_bytes, planner, stage
                     "bf16 grads": "bf16 grad partition",
                     "host param_buffer_of_bit16_for_cpu_offload_groups": "bf16 upload copy",
                     "host temp_grad_buffer_for_cpu_offload": "grad staging",
-                    "host accumulated_grads_in_cpu": "grad accumulators"}
+                    "host accumulated_grads_in_cpu": "grad accumulators", "host bf16 params": "bf16 params"}
     errors = []
     for rank, m in enumerate(measurements(engine_bytes, stage, offload, mode, optimizer)):
         staging = {k: v for k, v in m["staging"].items() if k.startswith("host ") and v}
-        held = {engine_names[k]: v for k, v in {**m["host"], **staging}.items()}
+        # A buffer the engine shares with another (bf16 masters at ZeRO-3) holds 0 B of its own.
+        held = {engine_names[k]: v for k, v in {**m["host"], **staging}.items() if v}
         assert set(held) == set(predicted), f"rank {rank}: the engine's host buffers {sorted(held)}, " \
                                             f"the planner's {sorted(predicted)}"
         for name, value in held.items():

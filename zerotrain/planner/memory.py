@@ -200,8 +200,8 @@ def lp_params(layout: Layout, s: Sizes) -> int:
     trainable = LP * s.trainable_params
     if layout.stage < 3:
         return trainable + s.frozen_bytes
-    if layout.offload_param != "none":
-        sharded = 0
+    if layout.offload_param != "none":  # the persistent ones stay gathered on the GPU
+        sharded = LP * s.persistent_params
     else:
         shardable = trainable + (s.frozen_bytes if s.frozen_shardable else 0)
         sharded = shardable // s.world_size + LP * s.persistent_params
@@ -476,7 +476,9 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
       bf16 accumulator per parameter (accumulated_grads_in_cpu). DeepSpeedCPUAdam's moments are
       plain host tensors (cpu_adam.py: zeros_like).
     - ZeRO-3 (stage3.py): the fp32 master per sub-group is plain (a clone), its fp32 gradient
-      pinned; the bf16 gradient partition (grad_partitions_flat_buffer) is pinned. With the
+      pinned; the bf16 gradient partition (grad_partitions_flat_buffer) is pinned. With bf16
+      masters the master's gradient is its range of that partition, and with the parameters
+      offloaded too the master is the bf16 partition (engine.zero3_shares_bf16_masters). With the
       parameters offloaded, the trainable bf16 partition is one pinned flat buffer per sub-group
       (param_groups_fp16_flat_cpu_memory) and each frozen parameter's partition is pinned on its own
       (partition_parameters.py)."""
@@ -490,9 +492,13 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
     if layout.offload_optimizer == "cpu":
         if layout.stage == 3:
             groups = _chunks(per_rank, b.sub_group_size)
-            out += [HostBuffer("fp32 master", tuple(m * n for n in groups), pinned=False),
-                    HostBuffer("fp32 grads", tuple(m * n for n in groups), pinned=True),
-                    HostBuffer("bf16 grad partition", (LP * per_rank,), pinned=True)]
+            # bf16 masters: the master is the offloaded bf16 partition itself, and its gradient a
+            # range of the bf16 gradient partition (engine.zero3_shares_bf16_masters)
+            if not (layout.bf16_masters and layout.offload_param == "cpu"):
+                out.append(HostBuffer("fp32 master", tuple(m * n for n in groups), pinned=False))
+            if not layout.bf16_masters:
+                out.append(HostBuffer("fp32 grads", tuple(m * n for n in groups), pinned=True))
+            out.append(HostBuffer("bf16 grad partition", (LP * per_rank,), pinned=True))
         else:
             out += [HostBuffer("fp32 master", (m * per_rank,), pinned=True),
                     HostBuffer("fp32 grads", (m * per_rank,), pinned=True),

@@ -17,6 +17,16 @@ PRESETS: dict[str, list[str]] = {
     "flux-dev-lora-qint8-1xRTX4090-24GB.json": [
         "--model", "flux-dev", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
         "--quantize", "qint8", "--global-batch", "4"],
+    # The memory floor (issue 14): a full fine-tune with optimizer.name auto and 128 GB of host RAM.
+    # One A100-80GB: ZeRO-2, adamw-bf16 offloaded (its bf16 master is DeepSpeed's upload copy).
+    "flux-dev-full-adamw-bf16-1xA100-80GB.json": [
+        "--model", "flux-dev", "--resolution", "1024", "--gpus", "1xA100-80GB", "--host-memory", "128GB",
+        "--mode", "full", "--global-batch", "8", "--set", "optimizer.name=auto"],
+    # One 24 GB card: ZeRO-3 with the parameters, adamw-bf16 and the checkpointed blocks' inputs on
+    # the host (the master is the pinned bf16 partition, its gradient the gradient partition).
+    "flux-dev-full-adamw-bf16-1xRTX4090-24GB.json": [
+        "--model", "flux-dev", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--host-memory", "128GB",
+        "--mode", "full", "--global-batch", "8", "--set", "optimizer.name=auto"],
     "flux-dev-full-8xA100-80GB.json": [
         "--model", "flux-dev", "--resolution", "1024", "--gpus", "8xA100-80GB", "--mode", "full",
         "--global-batch", "8"],
