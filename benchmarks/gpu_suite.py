@@ -10,7 +10,8 @@ per case) on a reduced-depth, full-width model at 1024px:
 - the newer families (qwen-image, flux2-dev, z-image, chroma), LoRA: the star around each plan;
 - the memory floor on 4+4-block flux-dev, full fine-tune at ZeRO-2: 0, 2, 4 and 8 of its blocks
   checkpointed, activation offload, each optimizer (adamw-bf16, adamw-8bit, adafactor) and
-  compiled blocks (the speed-up the plan does not count yet);
+  compiled blocks (the speed-up the plan does not count yet); adamw-bf16 offloaded at ZeRO-3,
+  with and without the parameters;
 - full-depth flux-dev LoRA, and full-depth SDXL full fine-tuning: the plan's choice.
 
 It writes benchmarks/results/gpu-<device>-<date>.json (every case's calibration: predicted and
@@ -65,6 +66,12 @@ def cases(tiny: bool) -> list[dict]:
                     "args": [*floor, "--set", f"optimizer.name={optimizer}"]})
     out.append({"name": "flux-dev 4 blocks full, compiled blocks", "limit": 240,
                 "args": [*floor, "--set", "training.compile=true"]})
+    # adamw-bf16 offloaded at ZeRO-3, with and without the parameters: the host RAM of the shared
+    # buffers (engine.zero3_shares_bf16_masters) and the PCIe and CPU-Adam time the plan predicts.
+    out.append({"name": "flux-dev 4 blocks full, adamw-bf16 at ZeRO-3 offloaded", "limit": 300,
+                "args": ["--model", "flux-dev", "--blocks", "4", "--mode", "full", "--grid", "full",
+                         "--global-batch", "1", "--set", "planner.stages=[3]", "--set", "planner.offload=[cpu]",
+                         "--set", "optimizer.name=adamw-bf16", "--set", "training.gradient_checkpointing=true"]})
     out.append({"name": "flux-dev lora (full depth)", "limit": 300,
                 "args": ["--model", "flux-dev", "--mode", "lora", "--grid", "chosen", "--global-batch", "1"]})
     out.append({"name": "sdxl-base full (full depth)", "limit": 240,
