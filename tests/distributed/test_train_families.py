@@ -3,8 +3,9 @@ the run folder holds what a run leaves behind.
 
 Cases (global batch 2, micro 1 per rank, 64 px buckets, constant LR, no warmup):
 
-    flux full ZeRO-2, ZeRO-3 with adamw-bf16 (bf16 master weights, gradients and moments), ZeRO-3
-        with the optimizer offloaded to the CPU (DeepSpeedCPUAdam)
+    flux full ZeRO-2, ZeRO-3 with the optimizer and the parameters offloaded to the CPU and
+        adamw-bf16 (DeepSpeedCPUAdam stepping bf16 masters and moments: the plan for one 24 GB
+        card; ZeRO-3 adamw-bf16 on the GPU trains in test_train_resume.py)
     flux LoRA (rank 4) ZeRO-0 (no ZeRO: DeepSpeed's bf16 optimizer), ZeRO-2 with adamw-8bit
         (bitsandbytes)
     flux LoRA (rank 4) over a qint8-quantized base (optimum-quanto), ZeRO-3
@@ -19,7 +20,8 @@ check_validation_images, and prints zerotrain's lines without the library noise 
 
 The planner never chooses an offload it does not need (planner.offload lists what it may use,
 and "none" is always a candidate), so the offload case passes a DeepSpeed JSON of its own through
-`deepspeed: path`: zerotrain's own config for ZeRO-3 with offload_optimizer {device: cpu}.
+`deepspeed: path`: zerotrain's own config for ZeRO-3 with offload_optimizer and offload_param
+{device: cpu}.
 
 "The loss goes down" is the mean of the last 3 step losses below the mean of the first 3 by a
 margin (5%; 3% for SD3). A step's loss is the mean over 2 images of a random timestep and noise
@@ -81,8 +83,7 @@ class Case:
 
 CASES = [
     Case("flux-full-zero2", "tiny-flux", "full", 2, 1e-3, 12),
-    Case("flux-full-zero3-adamw-bf16", "tiny-flux", "full", 3, 1e-3, 12, optimizer="adamw-bf16"),
-    Case("flux-full-zero3-offload", "tiny-flux", "full", 3, 1e-3, 12, offload=True),
+    Case("flux-full-zero3-offload-adamw-bf16", "tiny-flux", "full", 3, 1e-3, 12, offload=True, optimizer="adamw-bf16"),
     Case("flux-lora-zero0", "tiny-flux", "lora", 0, 1e-2, 12),
     Case("flux-lora-zero2-adamw-8bit", "tiny-flux", "lora", 2, 1e-2, 12, optimizer="adamw-8bit"),
     Case("flux-lora-qint8-zero3", "tiny-flux", "lora", 3, 1e-2, 12, quantize="qint8"),
@@ -97,15 +98,15 @@ CASES = [
 
 
 def offload_config(train, case: Case, overrides: list[str], path):
-    """zerotrain's DeepSpeed JSON for ZeRO-3 with the optimizer on the CPU, for this run's
-    settings, as a file for `deepspeed: path`."""
+    """zerotrain's DeepSpeed JSON for ZeRO-3 with the optimizer and the parameters on the CPU, for
+    this run's settings, as a file for `deepspeed: path`."""
     from zerotrain.planner.deepspeed_json import deepspeed_config
     from zerotrain.planner.memory import Layout
 
     run = train.run_config(*overrides)
     micro = 1
-    layout = Layout(case.stage, offload_optimizer="cpu", micro_batch=micro,
-                    accumulation=run.training.global_batch_size // (micro * train.world))
+    layout = Layout(case.stage, offload_optimizer="cpu", offload_param="cpu", micro_batch=micro,
+                    accumulation=run.training.global_batch_size // (micro * train.world), optimizer=case.optimizer)
     path.write_text(json.dumps(deepspeed_config(layout, run, train.world), indent=2))
     return path
 
@@ -183,7 +184,8 @@ def test_loss_goes_down(train, tmp_path, case):
     saved = json.loads((run_dir / "checkpoints" / f"step-{case.steps:08d}" / "zerotrain_state.json").read_text())
     assert saved["optimizer"] == case.optimizer, saved
     if case.offload:
-        assert zero.get("offload_optimizer", {}).get("device") == "cpu", zero
+        assert zero.get("offload_optimizer", {}).get("device") == zero.get("offload_param", {}).get("device") \
+            == "cpu", zero
         assert stepped_by_cpu_adam(run_dir / "checkpoints" / f"step-{case.steps:08d}")
     else:
         assert "offload_optimizer" not in zero, zero
