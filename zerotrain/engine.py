@@ -229,7 +229,10 @@ def initialize(model: torch.nn.Module, trainable: list[torch.nn.Parameter], ds_c
     settings = ds_config["_zerotrain"]["optimizer"] if client_optimizer_of(ds_config) else None
     optimizer = optimizers.build(settings, trainable) if settings else None
     config = {k: v for k, v in ds_config.items() if k != "_zerotrain"}
-    with zero3_shares_bf16_masters():
+    # DeepSpeed's decoupled checkpoint writer hands the master partitions to another process,
+    # which would move a shared one's whole pinned buffer into shared memory.
+    writer = (config.get("checkpoint") or {}).get("writer") or {}
+    with zero3_shares_bf16_masters(offloaded=not writer.get("decoupled", False)):
         out = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer, config=config,
                                    **kwargs)
     share_upload_copies(out[1])
@@ -258,7 +261,7 @@ def share_upload_copies(optimizer: Any) -> None:
 
 
 @contextlib.contextmanager
-def zero3_shares_bf16_masters() -> Iterator[None]:
+def zero3_shares_bf16_masters(offloaded: bool = True) -> Iterator[None]:
     """ZeRO-3 with bf16 masters keeps no buffer that only repeats another (2 bytes per trainable
     parameter each), while deepspeed.initialize runs:
     - On the GPU (the optimizer not offloaded), a sub-group's bf16 partition is its own master, as
@@ -274,12 +277,18 @@ def zero3_shares_bf16_masters() -> Iterator[None]:
     - Offloaded, each sub-group's master gradient is a pinned buffer the boundary fills by copying
       the gradient partition (grad_partitions_flat_buffer, pinned too) into it; with bf16 masters
       both are bf16 with the same layout, so the master's gradient becomes its sub-group's range of
-      the gradient partition (share_offloaded_grads) and that copy a copy onto itself, which torch
-      skips.
+      the gradient partition (share_offloaded_grads). The boundary's copy then writes the same
+      bytes to the same place (on a GPU a second download on the same stream, on the CPU a copy
+      onto itself, which torch skips).
     Everything else DeepSpeed does with these tensors is unchanged: the step updates the master in
     place and copies it into the partition (the same memory now), and unscaling or clipping the
     master's gradient acts on the gradient partition, which the next window's first micro-step
-    overwrites."""
+    overwrites. Two consequences for code outside zerotrain's: DeepSpeed's gradient accessors
+    (safe_get_full_grad) read the running sum between micro-steps, and writing the fp32 master
+    (safe_set_full_fp32_param) writes the weights at once. offloaded=False keeps only the first
+    point (DeepSpeed's decoupled checkpoint writer, which moves what it saves into shared
+    memory). The offloaded sharing is left out where another process steps or reads the master
+    (ZenFlow, SuperOffload, _host_offloaded_subgroups)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     create_original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
@@ -293,12 +302,14 @@ def zero3_shares_bf16_masters() -> Iterator[None]:
             out = create_original(self)
         finally:
             self.device = name
-        share_offloaded_masters(self)
+        if offloaded:
+            share_offloaded_masters(self)
         return out
 
     def set_positions(self: Any) -> Any:  # the last step of __init__ that shapes the gradient buffers
         out = positions_original(self)
-        share_offloaded_grads(self)
+        if offloaded:
+            share_offloaded_grads(self)
         return out
 
     DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create
@@ -311,9 +322,14 @@ def zero3_shares_bf16_masters() -> Iterator[None]:
 
 
 def _host_offloaded_subgroups(zero: Any) -> list[int]:
-    """ZeRO-3 sub-groups whose optimizer steps in host memory (not on NVMe, not on the GPU); none
-    with Muon, whose state DeepSpeed keys by the master while it creates it."""
-    if not zero.offload_optimizer or getattr(zero, "use_muon", False):
+    """ZeRO-3 sub-groups whose optimizer steps in host memory (not on NVMe, not on the GPU). None
+    with Muon, whose state DeepSpeed keys by the master while it creates it, and none where another
+    process steps the master during the backward (ZenFlow, SuperOffload's subclass of the ZeRO-3
+    optimizer): it would move the whole shared buffer into shared, unpinned memory."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not zero.offload_optimizer or type(zero) is not DeepSpeedZeroOptimizer_Stage3 \
+            or getattr(zero, "use_muon", False) or getattr(zero, "zenflow", False):
         return []
     return [i for i in range(len(zero.fp16_groups))
             if zero.subgroup_to_device.get(i) == "cpu" and not zero._swappable_optimizer_subgroup(i)]

@@ -63,7 +63,8 @@ def main() -> int:
         accumulation = 2 if "param" in offload else 1
         layout = Layout(int(stage), offload.split("+")[0], "cpu" if "param" in offload else "none", micro_batch=1,
                         accumulation=accumulation, optimizer=optimizer)
-        zerotrain_engine.zero3_shares_bf16_masters = contextlib.nullcontext if own == "deepspeed" else sharing
+        zerotrain_engine.zero3_shares_bf16_masters = (lambda **_: contextlib.nullcontext()) if own == "deepspeed" \
+            else sharing
         try:
             batch = run.model_copy(update={"training": run.training.model_copy(
                 update={"global_batch_size": accumulation * topo.world_size})})
