@@ -376,3 +376,43 @@ def test_lora_plans_weigh_streaming_the_base_against_quantizing_it():
     assert len(quantized) == 1 and "unquantized, streamed: ZeRO-3" in quantized[0], quantized
     # A roomy GPU that needs no streaming: nothing to weigh.
     assert choices("hardware.gpus=1xH100-80GB", "hardware.gpu_memory=80GiB")[1] == []
+
+
+def test_flux_dev_full_fits_a_24gb_card_with_128gb_of_host():
+    """Issue 14's stretch target: a full fine-tune of Flux-dev at 1024px on one 24 GB card with
+    128 GB of host RAM. Only ZeRO-3 with the optimizer and the parameters on the host fits the
+    GPU; with adamw-bf16 its host buffers are the pinned bf16 partition (which is the master), the
+    pinned bf16 gradient partition (which is the master's gradient) and the bf16 moments, 8 bytes
+    per parameter (engine.zero3_shares_bf16_masters), where fp32 AdamW needs 18. The plan prints
+    them."""
+    from rich.console import Console
+
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.measure import measure_model
+    from zerotrain.planner.report import print_plan
+
+    run = load_config(None, ["model.name_or_path=flux-dev", "training.mode=full", "hardware.gpus=1",
+                             "hardware.gpu_memory=24GiB", "hardware.host_memory=128GB", "optimizer.name=auto",
+                             "training.global_batch_size=8"])
+    facts = measure_model(resolve_model(run.model), run)
+    result = plan(facts, hardware_facts(run.hardware), run)
+    chosen = result.chosen
+    assert chosen is not None, result.reasons
+    layout = chosen.layout
+    assert (layout.stage, layout.offload_optimizer, layout.offload_param, layout.optimizer) == \
+        (3, "cpu", "cpu", "adamw-bf16"), describe(layout)
+    params = facts.trainable_params
+    buffers = chosen.memory.host_buffers
+    assert {"fp32 master", "fp32 grads (pinned)"}.isdisjoint(buffers), buffers
+    optimizer_bytes = sum(buffers[k] for k in ("bf16 params (pinned)", "bf16 grad partition (pinned)", "adam moments"))
+    assert optimizer_bytes == pytest.approx(8 * params, rel=1e-3)
+    assert chosen.memory.host_per_node <= result.host_budget_bytes
+    assert sum(buffers.values()) * run.planner.host_offload_factor == pytest.approx(chosen.memory.host_terms["offload"], abs=1)
+    # fp32 AdamW's host buffers (fp32 master, its pinned gradient, moments, bf16 partitions): no fit.
+    fp32 = [c for c in result.candidates if c.layout.optimizer == "adamw" and c.layout.offload_param == "cpu"]
+    assert fp32 and not any(c.fits for c in fp32)
+    assert all("host RAM" in c.rejected for c in fp32 if c.memory.device_total < result.gpu_budget_bytes)
+    console = Console(record=True, width=400)
+    print_plan(result, facts, console=console)
+    text = console.export_text()
+    assert "Host RAM per node: " in text and "bf16 grad partition (pinned) 22.2" in text, text

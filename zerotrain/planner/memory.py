@@ -379,6 +379,8 @@ class MemoryEstimate:
     host_per_node: int
     nvme_per_node: int
     host_terms: dict[str, int] = field(default_factory=dict)
+    host_buffers: dict[str, int] = field(default_factory=dict)
+    """The offload's host buffers per node by name (host_buffers), as the plan prints them."""
 
 
 def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_bytes: int) -> MemoryEstimate:
@@ -426,7 +428,7 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
         phases=phases, terms={k: v for k, v in phase_terms[peak_phase].items() if v}, peak_phase=peak_phase,
         allocated=allocated, reserved=reserved, device_total=device_total,
         host_per_node=max(host_terms.values()) if host_terms else 0, nvme_per_node=nvme_bytes(layout, s),
-        host_terms=host_terms,
+        host_terms=host_terms, host_buffers=host_buffers(layout, s, b),
     )
 
 
@@ -531,9 +533,19 @@ def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, 
     b = b or Buffers()
     total = s.total_params or s.trainable_params
     load = s.gpus_per_node * s.load_bytes_per_param * total
-    per_rank = sum(pinned_bytes(n, b.pinned_exact_above) if buf.pinned else n
-                   for buf in offload_buffers(layout, s, b) for n in buf.sizes)
-    return {"model load": int(load), "offload": int(s.gpus_per_node * per_rank * b.host_offload_factor)}
+    offload = sum(host_buffers(layout, s, b).values())
+    return {"model load": int(load), "offload": int(offload * b.host_offload_factor)}
+
+
+def host_buffers(layout: Layout, s: Sizes, b: Buffers) -> dict[str, int]:
+    """The node's offload buffers by name (offload_buffers), each pinned allocation as torch's
+    host allocator rounds it, before host_offload_factor: what the "offload" of host_bytes adds up."""
+    out: dict[str, int] = {}
+    for buf in offload_buffers(layout, s, b):
+        size = sum(pinned_bytes(n, b.pinned_exact_above) if buf.pinned else n for n in buf.sizes)
+        name = f"{buf.name} (pinned)" if buf.pinned else buf.name
+        out[name] = out.get(name, 0) + s.gpus_per_node * size
+    return out
 
 
 def nvme_bytes(layout: Layout, s: Sizes) -> int:

@@ -88,6 +88,13 @@ def print_plan(p: Plan, facts: ModelFacts, show_all: bool = False, seconds: floa
         breakdown.add_row("device total (+ CUDA context, NCCL)", f"{m.device_total / 2**30:.2f}", style="bold")
         console.print(breakdown)
         console.print("Phases: " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in m.phases.items()) + " GiB allocated")
+        if m.host_buffers:
+            console.print(f"Host RAM per node: {m.host_per_node / 2**30:.1f} GiB at its peak ("
+                          + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in m.host_terms.items())
+                          + "); the offload's buffers: "
+                          + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in
+                                      sorted(m.host_buffers.items(), key=lambda kv: -kv[1]) if v) + " GiB",
+                          highlight=False)
     console.print("Reasons:")
     for line in p.reasons:
         console.print(f"  - {line}", highlight=False)
