@@ -338,8 +338,10 @@ def _host_offloaded_subgroups(zero: Any) -> list[int]:
 def share_offloaded_masters(zero: Any) -> None:
     """ZeRO-3 with the parameters and the optimizer offloaded: each host sub-group's master is its
     bf16 partition when the master dtype is bf16 (see zero3_shares_bf16_masters)."""
+    if not zero.offload_param:
+        return
     shared = False
-    for i in _host_offloaded_subgroups(zero) if zero.offload_param else []:
+    for i in _host_offloaded_subgroups(zero):
         partition, master = zero.fp16_partitioned_groups_flat[i], zero.fp32_partitioned_groups_flat[i]
         if partition is None or partition.device.type != "cpu" or partition.data_ptr() == master.data_ptr() \
                 or (partition.dtype, partition.shape) != (master.dtype, master.shape):

@@ -540,12 +540,9 @@ def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, 
 def host_buffers(layout: Layout, s: Sizes, b: Buffers) -> dict[str, int]:
     """The node's offload buffers by name (offload_buffers), each pinned allocation as torch's
     host allocator rounds it, before host_offload_factor: what the "offload" of host_bytes adds up."""
-    out: dict[str, int] = {}
-    for buf in offload_buffers(layout, s, b):
-        size = sum(pinned_bytes(n, b.pinned_exact_above) if buf.pinned else n for n in buf.sizes)
-        name = f"{buf.name} (pinned)" if buf.pinned else buf.name
-        out[name] = out.get(name, 0) + s.gpus_per_node * size
-    return out
+    return {f"{buf.name} (pinned)" if buf.pinned else buf.name:
+            s.gpus_per_node * sum(pinned_bytes(n, b.pinned_exact_above) if buf.pinned else n for n in buf.sizes)
+            for buf in offload_buffers(layout, s, b)}
 
 
 def nvme_bytes(layout: Layout, s: Sizes) -> int:
