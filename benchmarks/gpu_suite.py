@@ -67,7 +67,7 @@ def cases(tiny: bool) -> list[dict]:
     out.append({"name": "flux-dev 4 blocks full, compiled blocks", "limit": 240,
                 "args": [*floor, "--set", "training.compile=true"]})
     # adamw-bf16 offloaded at ZeRO-3, with and without the parameters: the host RAM of the shared
-    # buffers (engine.zero3_shares_bf16_masters) and the PCIe and CPU-Adam time the plan predicts.
+    # buffers (deepspeed_compat._zero3_shares_bf16_masters) and the PCIe and CPU-Adam time the plan predicts.
     out.append({"name": "flux-dev 4 blocks full, adamw-bf16 at ZeRO-3 offloaded", "limit": 300,
                 "args": ["--model", "flux-dev", "--blocks", "4", "--mode", "full", "--grid", "full",
                          "--global-batch", "1", "--set", "planner.stages=[3]", "--set", "planner.offload=[cpu]",

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zerotrain import deepspeed_compat
 from zerotrain.distributed import Topology, accelerator, all_ok, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
 from zerotrain.optimizers import name_of
@@ -165,12 +166,8 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
     folder = root / tag
     # ds_to_universal requires the client to declare the universal checkpoint version.
     info = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    guard = _GuardedWrites(engine.checkpoint_engine, kill)
-    engine.checkpoint_engine = guard
-    try:
+    with deepspeed_compat.guarded_writes(engine, lambda inner: _GuardedWrites(inner, kill)) as guard:
         engine.save_checkpoint(str(root), tag=tag, client_state=info, save_latest=False, exclude_frozen_parameters=True)
-    finally:
-        engine.checkpoint_engine = guard.inner
     error = guard.error
     if error is None:
         try:
@@ -402,25 +399,15 @@ def make_universal(checkpoint: Path, topo: Topology) -> Path:
     interrupted conversion is redone rather than loaded. Every rank calls this."""
     target = checkpoint / UNIVERSAL
     if topo.is_main and not target.is_dir():
-        import argparse
-        import contextlib
-        import sys
-
-        from deepspeed.checkpoint import ds_to_universal
-
         partial = checkpoint / f"{UNIVERSAL}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        args = argparse.Namespace(input_folder=str(checkpoint), output_folder=str(partial), num_extract_workers=1,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=True)
         print(f"converting {checkpoint} to a universal checkpoint for {topo.world_size} process(es)", flush=True)
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # its progress is DeepSpeed's, not the run's
-                ds_to_universal.main(args)
-        except Exception as err:
-            raise ZerotrainError(f"{checkpoint}: DeepSpeed cannot convert it to a universal checkpoint "
-                                 f"({' '.join(str(err).split())[:300]}); resume with the world size and ZeRO "
-                                 f"stage it was saved with ({saved_state(checkpoint)})") from err
+            deepspeed_compat.to_universal(checkpoint, partial)
+        except ZerotrainError as err:
+            raise ZerotrainError(f"{checkpoint}: DeepSpeed cannot convert it to a universal checkpoint ({err}); "
+                                 "resume with the world size and ZeRO stage it was saved with "
+                                 f"({saved_state(checkpoint)})") from err
         os.replace(partial, target)
     barrier()
     return target
@@ -466,19 +453,10 @@ def replay_cpu_adam_steps(engine: Any) -> None:
     if not (isinstance(basic, DeepSpeedCPUAdam) or on_cpu):
         return
     steps = [int(state["step"]) for state in basic.state.values() if "step" in state]
-    if not steps:
-        return
-    empty = torch.zeros(0, dtype=torch.float32)
-    for step in range(1, max(steps) + 1):
-        for group in basic.param_groups:
-            beta1, beta2 = group["betas"]
-            common = (group["lr"], beta1, beta2, group["eps"])
-            if isinstance(basic, DeepSpeedCPUAdam):
-                basic.ds_opt_adam.adam_update(basic.opt_id, step, *common, group["weight_decay"],
-                                              group["bias_correction"], empty, empty, empty, empty)
-            else:
-                basic.multi_tensor_adam(2048 * 32, basic._dummy_overflow_buf, [[empty]] * 4, *common, step,
-                                        basic.adam_w_mode, int(group["bias_correction"]), group["weight_decay"])
+    if steps and not deepspeed_compat.replay_adam_steps(basic, max(steps)) \
+            and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print("zerotrain: warning: CPU Adam's bias correction is not replayed on this DeepSpeed version (untested): "
+              "the resumed steps may differ from an uninterrupted run in the last bit", file=sys.stderr, flush=True)
 
 
 def _module_names(checkpoint: Path) -> list[str]:

@@ -52,7 +52,7 @@ EXIT_CODES = {"ok": 0, "skip": 0, "warn": 1, "fail": 2}
 
 MiB, GiB, TiB = 2**20, 2**30, 2**40
 # The oldest versions pyproject.toml accepts.
-MIN_TORCH, MIN_DEEPSPEED = (2, 4), (0, 16)
+MIN_TORCH, MIN_DEEPSPEED = (2, 4), (0, 19)
 # /dev/shm per DataLoader worker and rank: each worker hands its prefetched batches (prefetch_factor
 # 2) to the trainer through shared memory; Docker's 64 MiB default is the usual cause of "DataLoader
 # worker killed by signal: Bus error". 1 GiB is a generous margin for cached latents, not a measurement.
@@ -286,7 +286,7 @@ def check_versions(ctx: Context) -> Finding:
                        "install a newer torch build for your driver (see the README), then pip install -e .")
     if deepspeed is None or (_version_tuple(deepspeed) or (0, 0)) < MIN_DEEPSPEED:
         return Finding("fail", f"{detail}: zerotrain needs DeepSpeed >= {'.'.join(map(str, MIN_DEEPSPEED))}",
-                       "pip install 'deepspeed>=0.16'")
+                       "pip install -e . (pyproject.toml pins the DeepSpeed versions zerotrain supports)")
     has_gpus = isinstance(gpus, list) and len(gpus) > 0
     driver_cuda = driver.cuda if isinstance(driver, Driver) else None
     if has_gpus and not cuda and not hip:
@@ -320,24 +320,28 @@ def check_versions(ctx: Context) -> Finding:
     return Finding("ok", detail)
 
 
-def _deepspeed_facts() -> dict[str, Any]:
-    """What ds_report shows, as data: the accelerator, the torch/CUDA the ops were prebuilt with, and
-    for each op whether it is prebuilt and whether it could be JIT-compiled here."""
-    # DeepSpeed's logger binds the stdout it finds at import, and its probes print; keep both on
-    # stderr so that --json prints only JSON.
-    with contextlib.redirect_stdout(sys.stderr):
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.git_version_info import accelerator_name, installed_ops, torch_info
-        from deepspeed.ops.op_builder.all_ops import ALL_OPS
-        from deepspeed.ops.op_builder.builder import probe_is_compatible
-        from torch.utils.cpp_extension import is_ninja_available
+@check("libraries")
+def check_libraries(ctx: Context) -> Finding:
+    """The libraries whose internals zerotrain uses, against the versions it was tested with."""
+    from zerotrain import versions
+    from zerotrain.deepspeed_compat import PIN_BACKEND, buffer_sharing
 
-        accelerator = get_accelerator()._name
-        ops = {name: {"prebuilt": bool(installed_ops.get(name)) and accelerator_name == accelerator,
-                      "compatible": bool(probe_is_compatible(builder, False))}
-               for name, builder in ALL_OPS.items()}
-        return {"accelerator": accelerator, "torch_info": dict(torch_info), "ops": ops,
-                "ninja": is_ninja_available()}
+    found = versions.check_all()
+    detail = ", ".join(v.describe() for v in found)
+    missing = [v.name for v in found if v.installed is None]
+    if missing:
+        return Finding("fail", detail, f"pip install -e . (installs {', '.join(missing)})")
+    untested = [v for v in found if not v.is_tested]
+    sharing = buffer_sharing(environ=ctx.environ)
+    if not sharing.enabled:
+        detail += f"; buffer sharing is off ({sharing.why}), and plans count DeepSpeed's own copies"
+    if not untested and sharing.enabled:
+        return Finding("ok", detail)
+    advice = [("install the tested versions: pip install "
+               + " ".join(f"'{v.name}=={v.tested[-1]}'" for v in untested))] if untested else []
+    if buffer_sharing(environ={}).enabled and not sharing.enabled:
+        advice.append(f"unset {PIN_BACKEND}")
+    return Finding("warn", detail, "; ".join(advice))
 
 
 def _needed_ops(layout: Any) -> dict[str, str]:
@@ -369,7 +373,9 @@ OP_ADVICE = {
 def check_deepspeed(ctx: Context) -> Finding:
     import torch
 
-    ds = _deepspeed_facts()
+    from zerotrain.deepspeed_compat import op_report
+
+    ds = op_report()
     ops, info = ds["ops"], ds["torch_info"]
     plan = ctx.plan
     needed = _needed_ops(plan.chosen.layout) if not isinstance(plan, Missing) and plan.chosen else {}

@@ -3,7 +3,8 @@ on one GPU: each rank keeps, in fp32 on the host, the EMA of exactly the part of
 parameter that its own optimizer partition owns (its fp32 master fragment), and updates it after
 every optimizer step from that fragment alone, with no collective.
 
-Where the master fragments are, by DeepSpeed optimizer (all of DeepSpeed 0.19's bf16 paths):
+Where the master fragments are, by DeepSpeed optimizer (all of DeepSpeed 0.19's bf16 paths; reached
+through deepspeed_compat.master_fragments, the only module that touches DeepSpeed's private state):
 
 - ZeRO-1/2 (DeepSpeedZeroOptimizer) and BF16_Optimizer: each trainable parameter's
   `_hp_mapping` (deepspeed/utils/tensor_fragment.py) names the slice of the flattened parameter
@@ -51,12 +52,12 @@ import contextlib
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from zerotrain.deepspeed_compat import MasterFragments, Span, master_fragments
 from zerotrain.errors import ZerotrainError
 
 FORMAT = 1
@@ -65,21 +66,6 @@ FILE_PATTERN = re.compile(r"ema-(\d+)\.pt")
 
 def ema_file(checkpoint: Path, rank: int) -> Path:
     return checkpoint / f"ema-{rank}.pt"
-
-
-@dataclass(frozen=True)
-class Span:
-    """Where a fragment sits in its parameter: elements [offset, offset + numel) of the flattened
-    parameter `name` of shape `shape`."""
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-    numel: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.numel
 
 
 def total(shape: Iterable[int]) -> int:
@@ -193,146 +179,12 @@ def ema_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     return reassemble(read_files(checkpoint))
 
 
-class _Masters:
-    """How one rank reaches its fp32 master fragments and refreshes the bf16 weights from them.
-    `spans[i]` is where fragment i sits in its parameter; `saved` says which fragments this rank
-    writes to its ema-<rank>.pt."""
-
-    spans: list[Span]
-    saved: list[bool]
-
-    def read(self, i: int) -> torch.Tensor:
-        """Fragment i of the fp32 master, 1-D (a view where possible; do not write into it)."""
-        raise NotImplementedError
-
-    def write(self, i: int, value: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def lp_matches(self, i: int) -> bool:
-        """Whether this rank's bf16 copy of fragment i is the bf16 rounding of its master."""
-        raise NotImplementedError
-
-    def refresh(self) -> None:
-        """bf16 weights := bf16(masters), as the optimizer does after a step. Every rank calls this."""
-        raise NotImplementedError
-
-
-class _HpMapped(_Masters):
-    """ZeRO-1/2 (DeepSpeedZeroOptimizer) and BF16_Optimizer: the per-parameter _hp_mapping."""
-
-    def __init__(self, optimizer: Any, params: list[tuple[str, torch.nn.Parameter]]):
-        self.optimizer = optimizer
-        self.params = [p for _, p in params if p._hp_mapping is not None]
-        self.spans = [Span(name, tuple(p.shape), p._hp_mapping.lp_fragment_address.start,
-                           p._hp_mapping.lp_fragment_address.numel)
-                      for name, p in params if p._hp_mapping is not None]
-        self.saved = [True] * len(self.spans)
-
-    def read(self, i: int) -> torch.Tensor:
-        return self.params[i]._hp_mapping.get_hp_fragment().detach()
-
-    def write(self, i: int, value: torch.Tensor) -> None:
-        self.params[i]._hp_mapping.get_hp_fragment().data.copy_(value)
-
-    def lp_matches(self, i: int) -> bool:
-        mapping = self.params[i]._hp_mapping
-        lp = mapping.lp_fragment.detach()
-        return torch.equal(lp, mapping.get_hp_fragment().detach().to(lp.device, lp.dtype))
-
-    def refresh(self) -> None:
-        self.optimizer.update_lp_params()
-
-
-class _Partitioned(_Masters):
-    """ZeRO-3: rank r owns [r*p, r*p + p) of each flattened parameter, p = ds_tensor.ds_numel."""
-
-    def __init__(self, optimizer: Any, params: list[tuple[str, torch.nn.Parameter]]):
-        self.optimizer = optimizer
-        self.all_params = [p for _, p in params]
-        self.params, self.spans = [], []
-        for name, p in params:
-            size = p.ds_tensor.ds_numel
-            offset = optimizer._get_param_partition_rank(p) * size
-            numel = min(size, p.ds_numel - offset)
-            if numel > 0:
-                self.params.append(p)
-                self.spans.append(Span(name, tuple(p.ds_shape), offset, numel))
-        self.saved = [True] * len(self.spans)
-
-    def read(self, i: int) -> torch.Tensor:
-        from deepspeed.utils import safe_get_local_fp32_param
-
-        return safe_get_local_fp32_param(self.params[i]).detach()[:self.spans[i].numel]
-
-    def write(self, i: int, value: torch.Tensor) -> None:
-        from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
-
-        # The local partition includes the last rank's padding: keep it as it is.
-        partition = safe_get_local_fp32_param(self.params[i]).detach().clone()
-        partition[:self.spans[i].numel].copy_(value)
-        safe_set_local_fp32_param(self.params[i], partition)
-
-    def lp_matches(self, i: int) -> bool:
-        lp = self.params[i].ds_tensor.detach()[:self.spans[i].numel]
-        return torch.equal(lp, self.read(i).to(lp.device, lp.dtype))
-
-    def refresh(self) -> None:
-        from deepspeed.utils import safe_get_local_fp32_param
-
-        # As DeepSpeedZeroOptimizer_Stage3.step: release every gathered parameter, copy each fp32
-        # partition into its bf16 partition, re-gather the persistent parameters.
-        self.optimizer._partition_all_parameters()
-        with torch.no_grad():
-            for p in self.all_params:
-                p.ds_tensor.data.copy_(safe_get_local_fp32_param(p))
-        persistent = self.optimizer.persistent_parameters
-        if persistent:
-            persistent[0].all_gather(persistent)
-        self.optimizer.invalidate_secondary_tensor()
-
-
-class _Replicated(_Masters):
-    """ZeRO-0 (FP16_Optimizer with flat fp32 groups, or FP16_UnfusedOptimizer with one fp32 tensor
-    per parameter): every rank holds every master whole; rank 0 saves."""
-
-    def __init__(self, optimizer: Any, names: Mapping[int, str], save: bool):
-        self.params, self.masters, self.spans = [], [], []
-        flat = getattr(optimizer, "fp32_groups_flat", None)
-        for g, group in enumerate(optimizer.fp16_groups):
-            offset = 0
-            for j, p in enumerate(group):
-                # FP16_Optimizer flattens each group without padding (_flatten_dense_tensors).
-                master = flat[g].narrow(0, offset, p.numel()) if flat is not None else optimizer.fp32_groups[g][j]
-                offset += p.numel()
-                if not p.requires_grad:
-                    continue
-                self.params.append(p)
-                self.masters.append(master)
-                self.spans.append(Span(names[id(p)], tuple(p.shape), 0, p.numel()))
-        self.saved = [save] * len(self.spans)
-
-    def read(self, i: int) -> torch.Tensor:
-        return self.masters[i].detach().view(-1)
-
-    def write(self, i: int, value: torch.Tensor) -> None:
-        self.masters[i].data.view(-1).copy_(value)
-
-    def lp_matches(self, i: int) -> bool:
-        lp = self.params[i].detach().view(-1)
-        return torch.equal(lp, self.read(i).to(lp.device, lp.dtype))
-
-    def refresh(self) -> None:
-        with torch.no_grad():
-            for p, master in zip(self.params, self.masters, strict=True):
-                p.data.copy_(master.data.view_as(p))
-
-
 def _offload_device(setting: Any) -> str:
     device = getattr(setting, "device", None)
     return str(getattr(device, "value", device) or "none")
 
 
-def _masters(engine: Any, rank: int) -> _Masters:
+def _masters(engine: Any, rank: int) -> MasterFragments:
     """The master-fragment access for this engine's optimizer, or a ZerotrainError naming what is
     not supported."""
     stage = engine.zero_optimization_stage()
@@ -341,17 +193,7 @@ def _masters(engine: Any, rank: int) -> _Masters:
         if _offload_device(setting) == "nvme":
             raise ZerotrainError(f"ema.enabled: not supported with ZeRO-{stage} {what} to NVMe (the fp32 master "
                                  "weights the EMA follows are swapped out); offload to cpu, or disable ema")
-    optimizer = engine.optimizer
-    params = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
-    if stage == 3:
-        return _Partitioned(optimizer, params)
-    if hasattr(optimizer, "update_lp_params") and all(hasattr(p, "_hp_mapping") for _, p in params):
-        return _HpMapped(optimizer, params)
-    if stage == 0 and hasattr(optimizer, "fp16_groups") and (hasattr(optimizer, "fp32_groups_flat")
-                                                             or hasattr(optimizer, "fp32_groups")):
-        return _Replicated(optimizer, {id(p): name for name, p in params}, save=rank == 0)
-    raise ZerotrainError(f"ema.enabled: DeepSpeed's {type(optimizer).__name__} (ZeRO stage {stage}) is not "
-                         "supported; the EMA follows the fp32 master weights of bf16 training under ZeRO 0-3")
+    return master_fragments(engine, rank)
 
 
 class ShardedEMA:

@@ -15,20 +15,18 @@ the device once and replicated, as the planner assumes (Sizes.frozen_shardable).
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zerotrain import families, optimizers
+from zerotrain import deepspeed_compat, families, optimizers
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import ModelSpec
 from zerotrain.planner.deepspeed_json import client_optimizer_of
+from zerotrain.protocols import ModelSpec
 
 
 def load_denoiser(spec: ModelSpec, folder: Path) -> torch.nn.Module:
@@ -205,190 +203,34 @@ def make_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig) -> torch.op
         lr_lambda, warmup=opt.warmup_steps, total=run.training.max_steps, schedule=opt.schedule))
 
 
-def build_engine(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig, device: torch.device) -> Any:
+def build_engine(model: torch.nn.Module, ds_config: dict[str, Any], run: RunConfig, device: torch.device,
+                 sharing: deepspeed_compat.Sharing | None = None) -> Any:
     """deepspeed.initialize with the trainable parameters; DeepSpeed builds AdamW (CPU Adam when
     the optimizer is offloaded), or zerotrain a client optimizer the config names under "_zerotrain"
     (zerotrain/optimizers.py), and DeepSpeed steps the LR schedule at every optimizer step. A quantized
-    model is moved to `device` here and given to DeepSpeed as a TrainableView (see denoiser())."""
+    model is moved to `device` here and given to DeepSpeed as a TrainableView (see denoiser()).
+    `sharing`: see initialize."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ZerotrainError("nothing to train: no parameter requires a gradient (check training.lora.target_modules)")
     if run.training.quantize_base is not Quantization.none:
         model = TrainableView(model.to(device))
-    engine, _, _, _ = initialize(model, trainable, ds_config, lr_scheduler=partial(make_scheduler, run=run))
+    engine, _, _, _ = initialize(model, trainable, ds_config, sharing, lr_scheduler=partial(make_scheduler, run=run))
     return engine
 
 
 def initialize(model: torch.nn.Module, trainable: list[torch.nn.Parameter], ds_config: dict[str, Any],
-               **kwargs: Any) -> tuple[Any, ...]:
+               sharing: deepspeed_compat.Sharing | None = None, **kwargs: Any) -> tuple[Any, ...]:
     """deepspeed.initialize as zerotrain calls it: with the client optimizer the config names under
-    "_zerotrain" (built here; DeepSpeed gets the config without that key), and ZeRO-3 sharing its
-    bf16 partitions as bf16 masters (zero3_shares_bf16_masters)."""
-    import deepspeed
-
+    "_zerotrain" (built here; DeepSpeed gets the config without that key), and DeepSpeed's repeated
+    buffers shared as `sharing` (default: deepspeed_compat.sharing_in_force(), the flag the planner
+    reads too) allows."""
     settings = ds_config["_zerotrain"]["optimizer"] if client_optimizer_of(ds_config) else None
     optimizer = optimizers.build(settings, trainable) if settings else None
     config = {k: v for k, v in ds_config.items() if k != "_zerotrain"}
-    # DeepSpeed's decoupled checkpoint writer hands the master partitions to another process,
-    # which would move a shared one's whole pinned buffer into shared memory.
-    writer = (config.get("checkpoint") or {}).get("writer") or {}
-    with zero3_shares_bf16_masters(offloaded=not writer.get("decoupled", False)):
-        out = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=optimizer, config=config,
-                                   **kwargs)
-    share_upload_copies(out[1])
-    return out
-
-
-def share_upload_copies(optimizer: Any) -> None:
-    """ZeRO 1/2 with the optimizer offloaded keep a pinned bf16 copy of each master partition, which
-    every step fills from the master before copying it to the GPU (stage_1_and_2.py
-    param_buffer_of_bit16_for_cpu_offload_groups). With bf16 masters (adamw-bf16) the copy equals
-    the master: the master takes its place, and the copy's pinned memory (2 bytes per trainable
-    parameter) goes back before the first step allocates the moments. DeepSpeed's own step then
-    copies the master into itself and uploads it as before."""
-    buffers = getattr(optimizer, "param_buffer_of_bit16_for_cpu_offload_groups", None)
-    masters = getattr(optimizer, "single_partition_of_fp32_groups", None)
-    if not buffers or not masters:
-        return
-    shared = False
-    for i, (buffer, master) in enumerate(zip(buffers, masters, strict=True)):
-        if (buffer.dtype, buffer.shape, buffer.device) == (master.dtype, master.shape, master.device) \
-                and buffer.data_ptr() != master.data_ptr():
-            buffers[i] = master
-            shared = True
-    if shared:
-        gc_host_memory()
-
-
-@contextlib.contextmanager
-def zero3_shares_bf16_masters(offloaded: bool = True) -> Iterator[None]:
-    """ZeRO-3 with bf16 masters keeps no buffer that only repeats another (2 bytes per trainable
-    parameter each), while deepspeed.initialize runs:
-    - On the GPU (the optimizer not offloaded), a sub-group's bf16 partition is its own master, as
-      stage3.py _create_fp32_partitions means it to be when the partition already has the master
-      dtype and sits on the optimizer's device ("we don't need another copy"). DeepSpeed 0.19.8
-      compares the partition's torch.device with its own device, which it keeps as the
-      accelerator's device name, a string: never equal, so it always copies. While that method
-      runs, the name is given as the torch.device it names.
-    - Offloaded with the parameters (offload_param and offload_optimizer cpu), the partition is a
-      pinned host buffer (param_groups_fp16_flat_cpu_memory) of the master dtype on the
-      optimizer's device, yet DeepSpeed takes the offload branch first and clones it. The clone is
-      dropped for the partition itself (share_offloaded_masters).
-    - Offloaded, each sub-group's master gradient is a pinned buffer the boundary fills by copying
-      the gradient partition (grad_partitions_flat_buffer, pinned too) into it; with bf16 masters
-      both are bf16 with the same layout, so the master's gradient becomes its sub-group's range of
-      the gradient partition (share_offloaded_grads). The boundary's copy then writes the same
-      bytes to the same place (on a GPU a second download on the same stream, on the CPU a copy
-      onto itself, which torch skips).
-    Everything else DeepSpeed does with these tensors is unchanged: the step updates the master in
-    place and copies it into the partition (the same memory now), and unscaling or clipping the
-    master's gradient acts on the gradient partition, which the next window's first micro-step
-    overwrites. Two consequences for code outside zerotrain's: DeepSpeed's gradient accessors
-    (safe_get_full_grad) read the running sum between micro-steps, and writing the fp32 master
-    (safe_set_full_fp32_param) writes the weights at once. offloaded=False keeps only the first
-    point (DeepSpeed's decoupled checkpoint writer, which moves what it saves into shared
-    memory). The offloaded sharing is left out where another process steps or reads the master
-    (ZenFlow, SuperOffload, _host_offloaded_subgroups)."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    create_original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
-    positions_original = DeepSpeedZeroOptimizer_Stage3.set_grad_positions
-
-    def create(self: Any) -> Any:
-        name = self.device
-        if isinstance(name, str) and not self.offload_optimizer:
-            self.device = torch.device(name)
-        try:
-            out = create_original(self)
-        finally:
-            self.device = name
-        if offloaded:
-            share_offloaded_masters(self)
-        return out
-
-    def set_positions(self: Any) -> Any:  # the last step of __init__ that shapes the gradient buffers
-        out = positions_original(self)
-        if offloaded:
-            share_offloaded_grads(self)
-        return out
-
-    DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create
-    DeepSpeedZeroOptimizer_Stage3.set_grad_positions = set_positions
-    try:
-        yield
-    finally:
-        DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create_original
-        DeepSpeedZeroOptimizer_Stage3.set_grad_positions = positions_original
-
-
-def _host_offloaded_subgroups(zero: Any) -> list[int]:
-    """ZeRO-3 sub-groups whose optimizer steps in host memory (not on NVMe, not on the GPU). None
-    with Muon, whose state DeepSpeed keys by the master while it creates it, and none where another
-    process steps the master during the backward (ZenFlow, SuperOffload's subclass of the ZeRO-3
-    optimizer): it would move the whole shared buffer into shared, unpinned memory."""
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    if not zero.offload_optimizer or type(zero) is not DeepSpeedZeroOptimizer_Stage3 \
-            or getattr(zero, "use_muon", False) or getattr(zero, "zenflow", False):
-        return []
-    return [i for i in range(len(zero.fp16_groups))
-            if zero.subgroup_to_device.get(i) == "cpu" and not zero._swappable_optimizer_subgroup(i)]
-
-
-def share_offloaded_masters(zero: Any) -> None:
-    """ZeRO-3 with the parameters and the optimizer offloaded: each host sub-group's master is its
-    bf16 partition when the master dtype is bf16 (see zero3_shares_bf16_masters)."""
-    if not zero.offload_param:
-        return
-    shared = False
-    for i in _host_offloaded_subgroups(zero):
-        partition, master = zero.fp16_partitioned_groups_flat[i], zero.fp32_partitioned_groups_flat[i]
-        if partition is None or partition.device.type != "cpu" or partition.data_ptr() == master.data_ptr() \
-                or (partition.dtype, partition.shape) != (master.dtype, master.shape):
-            continue
-        partition.ds_id = master.ds_id
-        partition.requires_grad = True
-        zero.fp32_partitioned_groups_flat[i] = partition
-        shared = True
-    if shared:
-        gc_host_memory()
-
-
-def share_offloaded_grads(zero: Any) -> None:
-    """ZeRO-3 with the optimizer offloaded: each host sub-group's master gradient is its range of
-    the pinned gradient partition when both have the master dtype and the sub-group's parameters lie
-    in it in the order of their gradient positions (see zero3_shares_bf16_masters)."""
-    flat = getattr(zero, "grad_partitions_flat_buffer", None)
-    subgroups = _host_offloaded_subgroups(zero)
-    if flat is None or flat.device.type != "cpu" or not subgroups:
-        return
-    partitions = zero._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
-    element = flat.element_size()
-    shared = False
-    offset = 0
-    for i, group in enumerate(zero.fp16_groups):
-        numel = int(zero.fp16_partitioned_groups_flat_numel[i])
-        master = zero.fp32_partitioned_groups_flat[i]
-        view = flat.narrow(0, offset, numel)
-        offset += numel
-        grad = master.grad
-        if i not in subgroups or grad is None or (grad.dtype, grad.numel()) != (flat.dtype, numel) \
-                or grad.data_ptr() == view.data_ptr():
-            continue
-        # The gradient positions DeepSpeed copies by (set_grad_positions) must be the same places.
-        if not all(partitions[p.ds_id].data_ptr() == view.data_ptr() + element * zero.grad_position[
-                zero.get_param_id(p)][1] for p in group):
-            continue
-        master.grad = view
-        shared = True
-    if shared:
-        gc_host_memory()
-
-
-def gc_host_memory() -> None:
-    """Give freed pinned buffers back: torch's caching host allocator keeps them otherwise."""
-    if torch.cuda.is_available():
-        torch._C._host_emptyCache()
+    return deepspeed_compat.initialize(deepspeed_compat.sharing_in_force() if sharing is None else sharing,
+                                       model=model, model_parameters=trainable, optimizer=optimizer, config=config,
+                                       **kwargs)
 
 
 def cpu_adam_unavailable() -> str | None:

@@ -47,7 +47,8 @@ import torch
 from zerotrain import families
 from zerotrain.config import Mode, RunConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.catalog import resolve_model
+from zerotrain.protocols import ModelSpec
 from zerotrain.quiet import hidden_warnings
 
 CHECKPOINTS = "checkpoints"

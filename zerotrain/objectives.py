@@ -25,12 +25,10 @@ from zerotrain import families
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import text_and_pooled
-from zerotrain.models.catalog import ModelSpec
+from zerotrain.protocols import Family, ModelSpec
 
 if TYPE_CHECKING:
     from diffusers import DDPMScheduler
-
-    from zerotrain.families import Family
 
 # The mode density of the SD3 paper (eq. 20) maps [0, 1] onto [0, 1] only while it is monotonic,
 # which holds for mode_scale <= 2 / (pi - 2) (the paper's stated range for s).

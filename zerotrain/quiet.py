@@ -64,14 +64,8 @@ HIDDEN_LINES: list[str] = [
     r"Detected checkpoint of type zero stage ",
     r"(Loading checkpoint shards|Gathering sharded weights): +\d+%\|",
     r"Reconstructed (Trainable |Frozen )?fp32 state dict with \d+ params \d+ elements$",
-    # ds_to_universal, converting a checkpoint for another world size or stage on rank 0, after
-    # zerotrain's own "converting ... to a universal checkpoint" line: its steps (a failure raises).
-    r"Convert DeepSpeed Checkpoint to Universal Checkpoint$",
-    r"Converting DeepSpeed checkpoint in .* to Universal checkpoint in ",
-    r"\*\*\* (\d+(\.\d+)?\. (Extracting ZeRO|Merging slices|Consolidating AutoEP|Saving common)|Done!$)",
-    r" +No AutoEP layers found, skipping$",
-    # A tqdm bar without a label (a bare "N%|...| i/n [time]" line), such as ds_to_universal's: it
-    # says neither what it counts nor on which rank.
+    # A tqdm bar without a label (a bare "N%|...| i/n [time]" line): it says neither what it counts
+    # nor on which rank.
     r" *\d+%\|[^|]*\| *\d+/\d+ \[",
 ]
 

@@ -42,7 +42,7 @@ from zerotrain import families
 from zerotrain.config.sections import RunConfig, ValidationConfig
 from zerotrain.distributed import Topology, gather_objects
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import ModelSpec
+from zerotrain.protocols import ModelSpec
 
 
 @dataclass(frozen=True)

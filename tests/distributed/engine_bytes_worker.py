@@ -120,7 +120,7 @@ def offload_staging(zero) -> dict[str, int]:
     fp32 master, the moments and the fp32 gradient partition."""
     return {
         # pinned host: bf16 copy of the updated partition, for the copy back to the GPU
-        # (with bf16 masters the master itself: engine.share_upload_copies; no second buffer)
+        # (with bf16 masters the master itself: deepspeed_compat's buffer sharing; no second buffer)
         "host param_buffer_of_bit16_for_cpu_offload_groups": storage_bytes(
             b for b, m in zip(zero.param_buffer_of_bit16_for_cpu_offload_groups, zero.single_partition_of_fp32_groups)
             if b.untyped_storage().data_ptr() != m.untyped_storage().data_ptr()),
@@ -229,6 +229,7 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     import deepspeed.comm
 
     from zerotrain.config.sections import RunConfig
+    from zerotrain.deepspeed_compat import Sharing, unshared
     from zerotrain.engine import initialize
     from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
@@ -257,12 +258,16 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     layout = Layout(stage, offload_optimizer=offload.split("+")[0], offload_param="cpu" if "param" in offload else "none",
                     micro_batch=micro, accumulation=accumulation, optimizer=case.get("optimizer", "adamw"))
     config = deepspeed_config(layout, run, world_size=world)
+    own_buffers = Sharing(False, "the engine-bytes test's unshared case")
 
     gc.collect()  # what earlier cases left for the collector is not freed inside the window
     (engine, _, _, _), init_peak, init_end = allocator_window(
-        lambda: initialize(model, trainable, config))
+        lambda: initialize(model, trainable, config, own_buffers if case.get("unshared") else None))
     zero = engine.optimizer
     basic = zero.optimizer
+    # What deepspeed_compat.initialize checks after initialize: each sharing the plan counts on
+    # that did not happen, with its bytes.
+    missed = unshared(zero)
 
     fp32_grad_bytes, shared_grad_bytes = [0], [0]
     inner_step = basic.step
@@ -374,6 +379,7 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
             "gathered params": gathered_peak,
         },
         "inventory": inventory(zero),
+        "unshared": missed,
     }
     if stage in (1, 2):
         measured["partition_numel"] = sum(zero.partition_size)

@@ -8,12 +8,11 @@ RANK/WORLD_SIZE set:
 OFFLOAD: cpu (the optimizer) or cpu+param (ZeRO-3: the optimizer and the parameters; two
 micro-batches of the batch per step, so that the offloaded gradients accumulate). A trailing
 :deepspeed builds the engine with DeepSpeed's own ZeRO-3 buffers, without zerotrain's sharing
-(engine.zero3_shares_bf16_masters).
+(deepspeed_compat's buffer sharing).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -32,9 +31,9 @@ def main() -> int:
     import deepspeed
     import torch.nn.functional as F
 
-    from zerotrain import engine as zerotrain_engine
     from zerotrain.checkpoint import replay_cpu_adam_steps
     from zerotrain.config import load_config
+    from zerotrain.deepspeed_compat import Sharing
     from zerotrain.distributed import shutdown, topology
     from zerotrain.engine import apply_mode, build_engine, cpu_adam_unavailable, load_denoiser
     from zerotrain.families import example_inputs
@@ -54,8 +53,6 @@ def main() -> int:
         if unavailable:
             raise SystemExit(unavailable)
     losses = {}
-    sharing = zerotrain_engine.zero3_shares_bf16_masters
-
     def make_engine(case: str) -> tuple[Any, int]:
         stage, optimizer, offload, own = (case.split(":") + ["none", ""])[:4]
         model = load_denoiser(spec, model_dir)
@@ -63,15 +60,11 @@ def main() -> int:
         accumulation = 2 if "param" in offload else 1
         layout = Layout(int(stage), offload.split("+")[0], "cpu" if "param" in offload else "none", micro_batch=1,
                         accumulation=accumulation, optimizer=optimizer)
-        zerotrain_engine.zero3_shares_bf16_masters = (lambda **_: contextlib.nullcontext()) if own == "deepspeed" \
-            else sharing
-        try:
-            batch = run.model_copy(update={"training": run.training.model_copy(
-                update={"global_batch_size": accumulation * topo.world_size})})
-            return build_engine(model, deepspeed_config(layout, batch, topo.world_size), batch,
-                                torch.device("cpu")), accumulation
-        finally:
-            zerotrain_engine.zero3_shares_bf16_masters = sharing
+        batch = run.model_copy(update={"training": run.training.model_copy(
+            update={"global_batch_size": accumulation * topo.world_size})})
+        own_buffers = Sharing(False, "DeepSpeed's own buffers, to compare with") if own == "deepspeed" else None
+        return build_engine(model, deepspeed_config(layout, batch, topo.world_size), batch, torch.device("cpu"),
+                            sharing=own_buffers), accumulation
 
     def train(engine: Any, accumulation: int, steps: int, save: Path | None = None) -> list[float]:
         torch.manual_seed(100 + topo.rank)  # each rank its own sample, the same for every case

@@ -77,6 +77,7 @@ division by world)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -100,12 +101,17 @@ CASES += [(stage, "none", "full", "adamw-bf16") for stage in (1, 2, 3)] + \
     [(stage, "cpu", "full", "adamw-bf16") for stage in (2, 3)]
 # ZeRO-3 with the parameters offloaded too (ZeRO-Infinity on the host): fp32 AdamW keeps its own
 # master and gradient; adamw-bf16 steps the pinned bf16 partition itself, its gradient a range of
-# the bf16 gradient partition (engine.zero3_shares_bf16_masters).
+# the bf16 gradient partition (deepspeed_compat's buffer sharing).
 CASES += [(3, "cpu+param", "full", "adamw"), (3, "cpu+param", "full", "adamw-bf16")]
 # The client optimizers (ZeRO 1-3, on the GPU): bitsandbytes' 8-bit AdamW on the full model's
 # partitions (8-bit moments) and on LoRA's (below 4096 elements: fp32 moments), and Adafactor.
 CASES += [(1, "none", "full", "adamw-8bit"), (2, "none", "lora", "adamw-8bit"), (3, "none", "full", "adamw-8bit"),
           (2, "none", "full", "adafactor"), (3, "none", "full", "adafactor")]
+# Buffer sharing off (deepspeed_compat.buffer_sharing on an untested DeepSpeed version, or under
+# DS_PIN_MEMORY_BACKEND=native): DeepSpeed keeps its own copies, and the planner, told by the same
+# flag (Buffers.shares_copies), counts them. One case per sharing: the ZeRO 1/2 upload copy, ZeRO-3's
+# master on the GPU, and ZeRO-3's master and master gradient offloaded with the parameters.
+UNSHARED = [(2, "cpu", "full", "adamw-bf16"), (3, "none", "full", "adamw-bf16"), (3, "cpu+param", "full", "adamw-bf16")]
 WORKER = Path(__file__).with_name("engine_bytes_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 # First use JIT-compiles DeepSpeed's CPU ops (shm comm, fused Adam, CPU Adam): minutes once.
@@ -119,8 +125,9 @@ ELEMENTS = {"adamw": ELEMENT, "adamw-bf16": BF16_ELEMENT, "adamw-8bit": {**BF16_
             "adafactor": BF16_ELEMENT}
 
 
-def case_id(stage: int, offload: str, mode: str, optimizer: str = "adamw") -> str:
-    return f"zero{stage}-offload_{offload}-{mode}" + ("" if optimizer == "adamw" else f"-{optimizer}")
+def case_id(stage: int, offload: str, mode: str, optimizer: str = "adamw", shared: bool = True) -> str:
+    return f"zero{stage}-offload_{offload}-{mode}" + ("" if optimizer == "adamw" else f"-{optimizer}") + \
+        ("" if shared else "-unshared")
 
 
 def run_config(cache_dir: Path, mode: str = "lora"):
@@ -172,6 +179,8 @@ def engine_bytes(workdir) -> dict[str, list[dict]]:
     spec = resolve_model(run.model)
     spec.denoiser_class().from_config(spec.config).to(torch.bfloat16).save_pretrained(workdir / "model")
     cases = [{"id": case_id(*c), "stage": c[0], "offload": c[1], "mode": c[2], "optimizer": c[3]} for c in CASES]
+    cases += [{"id": case_id(*c, shared=False), "stage": c[0], "offload": c[1], "mode": c[2], "optimizer": c[3],
+               "unshared": True} for c in UNSHARED]
     cases_file = workdir / "cases.json"
     cases_file.write_text(json.dumps({"model_dir": str(workdir / "model"), "run": run.model_dump(mode="json"),
                                       "cases": cases}))
@@ -220,8 +229,8 @@ def planner(workdir):
     return out
 
 
-def measurements(engine_bytes, stage: int, offload: str, mode: str, optimizer: str) -> list[dict]:
-    ranks = engine_bytes[case_id(stage, offload, mode, optimizer)]
+def measurements(engine_bytes, stage: int, offload: str, mode: str, optimizer: str, shared: bool = True) -> list[dict]:
+    ranks = engine_bytes[case_id(stage, offload, mode, optimizer, shared)]
     for rank, result in enumerate(ranks):
         if result.get("skip"):
             pytest.skip(result["skip"])
@@ -266,25 +275,34 @@ def compare(measured: dict[str, int], predicted: dict[str, int], stage: int, m: 
 @pytest.mark.parametrize(("stage", "offload", "mode", "optimizer"), CASES, ids=[case_id(*c) for c in CASES])
 def test_gpu_bytes_match_planner(engine_bytes, planner, stage, offload, mode, optimizer):
     """bf16 params, fp32 master, optimizer states, bf16 and fp32 grads on each rank's GPU."""
+    errors = gpu_errors(engine_bytes, planner, stage, offload, mode, optimizer)
+    # every sharing the plan counts on happened (deepspeed_compat.unshared after initialize)
+    errors += [f"rank {rank}: not shared: {m['unshared']}" for rank, m in
+               enumerate(measurements(engine_bytes, stage, offload, mode, optimizer)) if m["unshared"]]
+    assert not errors, "\n".join(errors)
+
+
+def gpu_errors(engine_bytes, planner, stage, offload, mode, optimizer, shared: bool = True) -> list[str]:
     from zerotrain.planner import memory
 
     facts, s, b, run = planner[mode]
+    b = dataclasses.replace(b, shares_copies=shared)
     layout = layout_for(stage, offload, run, optimizer)
     predicted = {
         "bf16 params": memory.lp_params(layout, s),
-        "fp32 master": memory.master_weights(layout, s),
+        "fp32 master": memory.master_weights(layout, s, b),
         "optimizer states": memory.optimizer_states(layout, s),
         "bf16 grads": memory.lp_grads(layout, s),
         "fp32 grads": memory.fp32_grads(layout, s, b),
     }
     errors = []
-    for rank, m in enumerate(measurements(engine_bytes, stage, offload, mode, optimizer)):
+    for rank, m in enumerate(measurements(engine_bytes, stage, offload, mode, optimizer, shared)):
         assert (m["trainable_params"], m["total_params"]) == (facts.trainable_params, facts.total_params), \
             "the planner's facts count other parameters than the engine trains"
         if stage == 3:
             assert m["persistent_numel"] == s.persistent_params, "ZeRO-3 persists other parameters than planned"
         errors += compare(m["device"], predicted, stage, m, rank, optimizer)
-    assert not errors, "\n".join(errors)
+    return errors
 
 
 @pytest.mark.parametrize(("stage", "offload", "mode", "optimizer"), [c for c in CASES if c[1] != "none"],
@@ -294,9 +312,15 @@ def test_offloaded_bytes_match_planner_host_buffers(engine_bytes, planner, stage
     fp32 master, moments, fp32 grads, ZeRO-3's pinned bf16 grad partition, and ZeRO 1/2's pinned
     staging buffers (bf16 partition copy, largest-gradient buffer, CPU accumulators). The CPU pins
     nothing, so the sizes are compared before torch's pinned rounding (memory.pinned_bytes)."""
+    errors = host_errors(engine_bytes, planner, stage, offload, mode, optimizer)
+    assert not errors, "\n".join(errors)
+
+
+def host_errors(engine_bytes, planner, stage, offload, mode, optimizer, shared: bool = True) -> list[str]:
     from zerotrain.planner import memory
 
     _, s, b, run = planner[mode]
+    b = dataclasses.replace(b, shares_copies=shared)
     layout = layout_for(stage, offload, run, optimizer)
     predicted = {buf.name: sum(buf.sizes) for buf in memory.offload_buffers(layout, s, b)}
     engine_names = {"fp32 master": "fp32 master", "optimizer states": "adam moments", "fp32 grads": "fp32 grads",
@@ -305,7 +329,7 @@ def test_offloaded_bytes_match_planner_host_buffers(engine_bytes, planner, stage
                     "host temp_grad_buffer_for_cpu_offload": "grad staging",
                     "host accumulated_grads_in_cpu": "grad accumulators", "host bf16 params": "bf16 params"}
     errors = []
-    for rank, m in enumerate(measurements(engine_bytes, stage, offload, mode, optimizer)):
+    for rank, m in enumerate(measurements(engine_bytes, stage, offload, mode, optimizer, shared)):
         staging = {k: v for k, v in m["staging"].items() if k.startswith("host ") and v}
         # A buffer the engine shares with another (bf16 masters at ZeRO-3) holds 0 B of its own.
         held = {engine_names[k]: v for k, v in {**m["host"], **staging}.items() if v}
@@ -317,7 +341,34 @@ def test_offloaded_bytes_match_planner_host_buffers(engine_bytes, planner, stage
             if abs(value - predicted[name]) > slack:
                 errors.append(f"rank {rank} {name}: engine holds {value} B, planner predicts {predicted[name]} B "
                               f"(padding tolerance {slack} B)")
+    return errors
+
+
+@pytest.mark.parametrize(("stage", "offload", "mode", "optimizer"), UNSHARED,
+                         ids=[case_id(*c, shared=False) for c in UNSHARED])
+def test_unshared_buffers_match_the_planner_told_so(engine_bytes, planner, stage, offload, mode, optimizer):
+    """With the sharing off, the engine keeps DeepSpeed's own copies, and the planner given
+    shares_copies=False counts each of them, on the GPU and on the host. The same layout with the
+    sharing on holds less: the flag changes what both sides count."""
+    errors = gpu_errors(engine_bytes, planner, stage, offload, mode, optimizer, shared=False)
+    if offload != "none":
+        errors += host_errors(engine_bytes, planner, stage, offload, mode, optimizer, shared=False)
     assert not errors, "\n".join(errors)
+    # deepspeed_compat.unshared, which initialize warns with, names each copy the plan counted as
+    # shared, and the one shared case of the same layout has none.
+    for m in measurements(engine_bytes, stage, offload, mode, optimizer, shared=False):
+        assert m["unshared"], "the check after initialize saw no unshared buffer"
+    for m in measurements(engine_bytes, stage, offload, mode, optimizer):
+        assert m["unshared"] == [], m["unshared"]
+    _, s, b, run = planner[mode]
+    layout = layout_for(stage, offload, run, optimizer)
+    from zerotrain.planner import memory
+
+    def total(buffers):
+        return memory.master_weights(layout, s, buffers) + sum(sum(x.sizes) for x in
+                                                                  memory.offload_buffers(layout, s, buffers))
+    assert total(dataclasses.replace(b, shares_copies=False)) > total(b)
+
 
 
 # DeepSpeed's own bookkeeping tensors in the measured windows (80 B in a save at ZeRO 0-2; at

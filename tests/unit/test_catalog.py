@@ -4,6 +4,8 @@ entries run on CPU, and local folders, bare config.json files and hub ids resolv
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import diffusers
@@ -13,7 +15,8 @@ import torch
 
 from zerotrain.config import ModelConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import FAMILIES, ModelSpec, catalog_names, resolve_model
+from zerotrain.models.catalog import FAMILIES, catalog_names, is_plan_only, resolve_model
+from zerotrain.protocols import ModelSpec
 
 CATALOG_DIR = Path(__file__).resolve().parents[2] / "zerotrain" / "models" / "catalog"
 
@@ -111,6 +114,16 @@ def save_tiny_pipeline(name: str, folder: Path) -> ModelSpec:
 
 def test_catalog_names_cover_every_architecture():
     assert catalog_names() == sorted(PARAMETERS)
+
+
+@pytest.mark.parametrize("first", ["zerotrain.families", "zerotrain.families.flux2", "zerotrain.models.catalog"])
+def test_every_family_is_in_the_catalog_whatever_is_imported_first(first):
+    """Once, importing zerotrain.families first left FLUX.2 out: flux2 imported models.tiny_parts, whose
+    package __init__ imported the catalog, which listed the families while flux2 was half built."""
+    code = f"import {first}\nfrom zerotrain.models.catalog import FAMILIES\nprint(sorted(FAMILIES.values()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(sorted(FAMILIES.values()))
+    assert "flux2" in FAMILIES.values()
 
 
 @pytest.mark.parametrize("name", sorted(PARAMETERS))
@@ -238,7 +251,7 @@ def test_sd15_is_plan_only_and_cache_and_training_refuse_it_in_one_line(tmp_path
     from zerotrain.distributed import Topology
     from zerotrain.models.catalog import catalog_listing, check_trainable
 
-    assert [n for n in catalog_names() if resolve_model(ModelConfig(name_or_path=n)).plan_only] == ["sd1.5"]
+    assert [n for n in catalog_names() if is_plan_only(resolve_model(ModelConfig(name_or_path=n)))] == ["sd1.5"]
     assert "sd1.5 (plan only)" in catalog_listing() and "sdxl-base (plan only)" not in catalog_listing()
     expected = "model.name_or_path='sd1.5' is plan-only: zerotrain plans SD 1.x/2.x UNets but cannot cache or train them"
     spec = resolve_model(ModelConfig(name_or_path="sd1.5"))

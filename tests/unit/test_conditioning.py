@@ -17,7 +17,7 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import scale_latents
 from zerotrain.families.sdxl import sdxl_time_ids
 from zerotrain.models import conditioning
-from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import (
     encode_latent_moments,
     encode_latents,
@@ -26,6 +26,7 @@ from zerotrain.models.conditioning import (
     load_encoders,
 )
 from zerotrain.models.tiny import build_tiny_pipeline
+from zerotrain.protocols import ModelSpec
 
 CAPTIONS = [
     "a photo of a cat sitting on a red chair",

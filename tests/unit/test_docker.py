@@ -84,6 +84,21 @@ def version_arg(package: str) -> str:
 # ---- versions: one place, consistent with pyproject.toml ----
 
 
+def test_pyproject_bounds_the_libraries_whose_internals_zerotrain_uses():
+    """deepspeed, diffusers, peft and optimum-quanto below the next minor version after the tested one
+    (zerotrain.versions.TESTED), which the bounds admit."""
+    from zerotrain import versions
+
+    requirements = {r.name: r for r in pyproject_dependencies()}
+    for name in ("deepspeed", "diffusers", "peft", "optimum-quanto"):
+        bounds = [spec for spec in requirements[name].specifier if spec.operator == "<"]
+        assert bounds, f"{name} has no upper bound in pyproject.toml"
+        for tested in map(Version, versions.TESTED[name]):
+            assert requirements[name].specifier.contains(tested), f"{name} {tested} is outside {requirements[name]}"
+            assert Version(bounds[0].version).release[:2] == (tested.major, tested.minor + 1), \
+                f"{name}'s bound {bounds[0]} is not the next minor version after {tested}"
+
+
 def test_every_runtime_dependency_is_pinned_and_satisfies_pyproject():
     pins = global_args()
     for requirement in pyproject_dependencies():

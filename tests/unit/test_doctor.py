@@ -24,7 +24,7 @@ from zerotrain.planner.measure import measure_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-cpu.yaml"
-NAMES = ["config", "versions", "deepspeed ops", "gpus", "nccl p2p", "model", "plan", "gpu memory", "host ram",
+NAMES = ["config", "versions", "libraries", "deepspeed ops", "gpus", "nccl p2p", "model", "plan", "gpu memory", "host ram",
          "nvme", "shm", "output"]
 Usage = namedtuple("Usage", "total used free")
 
@@ -443,3 +443,24 @@ def test_a_catalog_model_in_the_hub_cache_is_ok_offline(tmp_path, no_gpu, monkey
     fill_hub_cache(tmp_path / "hf" / "hub", repo, [*files, "transformer/diffusion_pytorch_model.safetensors"])
     finding = run_one(doctor.check_model, run)
     assert finding.verdict == "ok" and repo in finding.detail
+
+
+def test_libraries_are_reported_against_the_tested_versions(tmp_path, monkeypatch):
+    """deepspeed, diffusers, peft, optimum-quanto and torch with the versions zerotrain was tested with;
+    an untested DeepSpeed warns that the buffer sharing is off, with the version to install."""
+    from zerotrain import versions
+
+    run = tiny_run(tmp_path, measure=False)
+    finding = doctor.check_libraries(doctor.Context(run, environ={}))
+    assert finding.verdict == "ok", finding
+    for name in ("torch", "deepspeed", "diffusers", "peft", "optimum-quanto"):
+        assert f"{name} {versions.installed(name)} (tested)" in finding.detail
+    real = versions.installed
+    monkeypatch.setattr(versions, "installed", lambda name: "0.20.0" if name == "deepspeed" else real(name))
+    finding = doctor.check_libraries(doctor.Context(run, environ={}))
+    assert finding.verdict == "warn"
+    assert "deepspeed 0.20.0 (untested; tested: 0.19.8)" in finding.detail and "buffer sharing is off" in finding.detail
+    assert "'deepspeed==0.19.8'" in finding.advice
+    monkeypatch.setattr(versions, "installed", real)
+    finding = doctor.check_libraries(doctor.Context(run, environ={"DS_PIN_MEMORY_BACKEND": "native"}))
+    assert finding.verdict == "warn" and finding.advice == "unset DS_PIN_MEMORY_BACKEND"

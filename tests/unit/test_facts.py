@@ -28,10 +28,11 @@ from torch.utils.checkpoint import checkpoint
 from zerotrain.config import ModelConfig, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.families import example_inputs, of
-from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.catalog import resolve_model
 from zerotrain.planner import trace
 from zerotrain.planner.facts import ModelFacts
 from zerotrain.planner.measure import measure_model
+from zerotrain.protocols import ModelSpec
 
 # The tiny catalog VAEs downsample 2x, so 64 px gives 32x32 latents: 256 image tokens for Flux
 # and SD3, and a 32x32 UNet input. 16 text tokens keep every trace well under a second.

@@ -33,12 +33,13 @@ from zerotrain.export import comfyui_lora_state_dict, lora_metadata
 from zerotrain.families import of
 from zerotrain.families.chroma import FAMILY, used_text_tokens
 from zerotrain.families.flux import FLUX_SCHEDULER, pack_latents
-from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import make_objective, sample_flow_timesteps
 from zerotrain.planner.measure import measure_model
 from zerotrain.planner.trace import apply_lora, build_meta_model
+from zerotrain.protocols import ModelSpec
 
 # sum(p.numel() for p in model.parameters()) of ChromaTransformer2DModel (diffusers 0.42) built from
 # each catalog config on the meta device; chroma is the class's defaults, as Chroma1-HD publishes them.

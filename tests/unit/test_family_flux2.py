@@ -34,11 +34,12 @@ from zerotrain.families.flux2 import (
     PIPELINE_STEPS,
     VAE_DEFAULTS,
 )
-from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_latents, encode_prompts, load_encoders
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import make_objective, sample_flow_timesteps, shift_sigmas
 from zerotrain.planner.measure import measure_model
+from zerotrain.protocols import ModelSpec
 
 # sum(p.numel()) of Flux2Transformer2DModel built on meta from each catalog config (diffusers 0.42).
 PARAMETERS = {

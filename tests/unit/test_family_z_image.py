@@ -42,7 +42,7 @@ from zerotrain.families.z_image import (
     model_time,
     pad_captions,
 )
-from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.models.tiny_parts import QWEN3_PROMPT
@@ -55,6 +55,7 @@ from zerotrain.objectives import (
 )
 from zerotrain.planner import trace
 from zerotrain.planner.measure import measure_model
+from zerotrain.protocols import ModelSpec
 
 # sum(p.numel() for p in model.parameters()) on the meta device (diffusers 0.42). The published count
 # is the class default's: axes_lens, the only published field that differs, sizes a RoPE table, not

@@ -1,5 +1,6 @@
-"""The code's shape: no import cycles among zerotrain's modules (lazy imports count; imports only for
-type checking do not), and no module outside zerotrain/families/ tests a family's name."""
+"""The code's shape: no import cycles among zerotrain's modules, counting every import edge (lazy imports
+inside functions, imports only for type checking, package __init__ files), and no module outside
+zerotrain/families/ tests a family's name."""
 
 from __future__ import annotations
 
@@ -11,41 +12,72 @@ from zerotrain import families
 PACKAGE = Path(__file__).resolve().parents[2] / "zerotrain"
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+def module_paths(root: Path, package: str) -> dict[str, Path]:
+    """Every module of `package` (a folder under `root`) by dotted name; a package by its __init__."""
+    found = {}
+    for path in sorted((root / package.replace(".", "/")).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
 
 
-MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+MODULES = module_paths(PACKAGE.parent, PACKAGE.name)
 
 
-def type_checking_nodes(tree: ast.AST) -> set[int]:
-    skipped: set[int] = set()
+def prefixes(name: str) -> list[str]:
+    """a.b.c -> a, a.b, a.b.c: importing a module first runs each enclosing package's __init__."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def imported_names(tree: ast.AST, name: str, is_package: bool, modules: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """(explicit, implicit) dotted names imported anywhere in the tree: at module level, inside functions
+    and under `if TYPE_CHECKING:` alike. Explicit: what the statement names (a submodule named by
+    `from X import Y` rather than X). Implicit: the packages X whose __init__ runs on the way.
+    A package __init__ that calls import_module with a computed name discovers plug-ins: it imports
+    every submodule of the package."""
+    here = name if is_package else name.rpartition(".")[0]
+    explicit: set[str] = set()
+    implicit: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(sub) for sub in ast.walk(node))
-    return skipped
+        if isinstance(node, ast.Import):
+            explicit.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+            source = ".".join([*base, *([node.module] if node.module else [])])
+            submodules = {f"{source}.{alias.name}" for alias in node.names} & modules.keys()
+            explicit |= submodules
+            (implicit if len(submodules) == len(node.names) else explicit).add(source)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            argument = node.args[0] if node.args else None
+            if isinstance(argument, ast.Constant) and isinstance(argument.value, str):
+                explicit.add(argument.value)
+            elif is_package:
+                explicit.update(m for m in modules if m.rpartition(".")[0] == name)
+    return explicit, implicit
 
 
-def imports(name: str, path: Path) -> set[str]:
-    """The zerotrain modules `name` imports, at module level or inside functions."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = type_checking_nodes(tree)
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zerotrain"):
-            for alias in node.names:
-                full = f"{node.module}.{alias.name}"
-                found.add(full if full in MODULES else node.module)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("zerotrain"))
-    return {module for module in found if module in MODULES and module != name}
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Each module of `package` -> the modules of `package` it imports. Importing a.b.c depends on a.b.c
+    and on the __init__ of a and a.b, except on the importer's own enclosing packages, which Python has
+    already begun before the importer runs."""
+    modules = module_paths(root, package)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        explicit, implicit = imported_names(ast.parse(path.read_text(encoding="utf-8")), name, is_package, modules)
+        enclosing = set(prefixes(name)) - ({name} if not is_package else set())
+        edges = {target for target in explicit if target in modules}
+        for target in explicit | implicit:
+            edges.update(p for p in prefixes(target)[:-1] if p in modules and p not in enclosing)
+        edges.update(target for target in implicit if target in modules and target not in enclosing)
+        graph[name] = edges
+    return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
+    """Strongly connected components of more than one module, and modules that import themselves
+    (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -54,7 +86,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
-        for other in sorted(graph[node]):
+        for other in sorted(graph.get(node, ())):
             if other not in index:
                 visit(other)
                 low[node] = min(low[node], low[other])
@@ -67,7 +99,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 component.append(member)
                 if member == node:
                     break
-            if len(component) > 1:
+            if len(component) > 1 or node in graph.get(node, ()):
                 found.append(sorted(component))
 
     for node in sorted(graph):
@@ -76,14 +108,69 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def loop(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One shortest import loop through the component's first module, for people to read."""
+    start = component[0]
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for other in sorted(graph[node] & set(component)):
+            if other == start:
+                return paths[node] + [start]
+            if other not in paths:
+                paths[other] = paths[node] + [other]
+                queue.append(other)
+    return component
+
+
+def import_cycles(root: Path, package: str) -> list[str]:
+    """Every import cycle among the modules of `package` under `root`, one line each: the modules of the
+    cycle, and one loop through them."""
+    graph = import_graph(root, package)
+    return [f"{', '.join(c)}: {' -> '.join(loop(graph, c))}" for c in cycles(graph)]
+
+
 def test_no_import_cycles():
-    graph = {name: imports(name, path) for name, path in MODULES.items()}
+    graph = import_graph(PACKAGE.parent, PACKAGE.name)
     assert graph["zerotrain.doctor"] and graph["zerotrain.planner.trace"], "the graph must see imports"
-    assert cycles(graph) == []
+    found = import_cycles(PACKAGE.parent, PACKAGE.name)
+    assert found == [], f"{len(found)} import cycles:\n" + "\n".join(found)
 
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"a"}, "b": set()}) == [["a"]]
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def test_the_checker_sees_typing_only_and_lazy_imports(tmp_path):
+    """A cycle made only of an import under TYPE_CHECKING and one inside a function is found."""
+    write(tmp_path / "pkg" / "__init__.py", "")
+    write(tmp_path / "pkg" / "low.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import H\n")
+    write(tmp_path / "pkg" / "high.py", "def f():\n    from . import low\n    return low\n")
+    assert import_cycles(tmp_path, "pkg") == ["pkg.high, pkg.low: pkg.high -> pkg.low -> pkg.high"]
+
+
+def test_the_checker_sees_package_inits_and_plugin_discovery(tmp_path):
+    """Importing a.b.c runs a.b's __init__; an __init__ that import_module()s a computed name imports
+    its submodules (plug-ins). A submodule importing a sibling does not depend on its own package."""
+    write(tmp_path / "pkg" / "__init__.py", "")
+    write(tmp_path / "pkg" / "models" / "__init__.py", "from pkg.models.catalog import SPEC\n")
+    write(tmp_path / "pkg" / "models" / "catalog.py", "import pkg.plugins\nfrom pkg.models import parts\n")
+    write(tmp_path / "pkg" / "models" / "parts.py", "")
+    write(tmp_path / "pkg" / "plugins" / "__init__.py",
+          "import importlib\ndef load(n):\n    return importlib.import_module(f'{__name__}.{n}')\n")
+    write(tmp_path / "pkg" / "plugins" / "one.py", "def tiny():\n    import pkg.models.parts\n")
+    cycle = ("pkg.models, pkg.models.catalog, pkg.plugins, pkg.plugins.one: "
+             "pkg.models -> pkg.models.catalog -> pkg.plugins -> pkg.plugins.one -> pkg.models")
+    assert import_cycles(tmp_path, "pkg") == [cycle]
+    write(tmp_path / "pkg" / "plugins" / "one.py", "")
+    assert import_cycles(tmp_path, "pkg") == []
 
 
 def family_name_tests(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:

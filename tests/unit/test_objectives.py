@@ -19,7 +19,7 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.families.flux import FLUX_SCHEDULER, pack_latents  # the published scheduler configs
 from zerotrain.families.sd3 import SD3_SCHEDULER
 from zerotrain.families.sdxl import SDXL_TIME_IDS, sdxl_time_ids
-from zerotrain.models.catalog import ModelSpec, resolve_model
+from zerotrain.models.catalog import resolve_model
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import (
     DDPM,
@@ -35,6 +35,7 @@ from zerotrain.objectives import (
     sdxl_time_ids_batch,
     shift_sigmas,
 )
+from zerotrain.protocols import ModelSpec
 
 # Tiny VAEs downsample 2x: 32x32-pixel images give 16x16 latents (64 Flux tokens, 64 SD3 patches).
 RESOLUTION = 32

@@ -125,3 +125,43 @@ def test_offload_list_is_what_the_search_may_choose():
     result = plan(facts(), hw("2xA100-80GB"), run_with("training.global_batch_size=2", "planner.offload=[cpu]"))
     assert result.candidates
     assert all(c.layout.offload_optimizer == "cpu" for c in result.candidates)
+
+
+def test_a_nvme_path_holding_auto_is_a_concrete_value():
+    """An automount path (/mnt/auto/nvme0) holds the text "auto": the DeepSpeed config is checked
+    value by value, so it plans and writes the path, where a check on the JSON text failed."""
+    from zerotrain.planner.deepspeed_json import deepspeed_config
+
+    settings = ("training.global_batch_size=2", "hardware.nvme_path=/mnt/auto/nvme0", "hardware.nvme_space=1TB",
+                "planner.offload=[nvme]")
+    result = plan(facts(), hw("2xA100-80GB", *settings), run_with(*settings))
+    assert result.chosen.layout.offload_optimizer == "nvme"
+    config = deepspeed_config(result.chosen.layout, run_with(*settings), 2)
+    assert config["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/mnt/auto/nvme0"
+
+
+def test_nvme_offload_without_a_path_is_one_line():
+    from zerotrain.planner.deepspeed_json import deepspeed_config
+
+    settings = ("training.global_batch_size=2", "hardware.nvme_space=1TB", "planner.offload=[nvme]")
+    result = plan(facts(), hw("2xA100-80GB", *settings), run_with(*settings))
+    with pytest.raises(ZerotrainError, match=r"^hardware.nvme_path is unset, but the layout offloads to NVMe "
+                                             r"\(ZeRO-3 opt->nvme.*set hardware.nvme_path to a folder"):
+        deepspeed_config(result.chosen.layout, run_with(*settings), 2)
+
+
+def test_no_layout_to_plan_is_one_line():
+    with pytest.raises(ZerotrainError, match=r"^planner.stages=\[0\] with planner.offload=\[cpu\] and "
+                                             r"optimizer.name=adamw leave no layout to plan"):
+        plan(facts(), hw("1xA100-80GB"), run_with("training.global_batch_size=2", "planner.stages=[0]",
+                                                  "planner.offload=[cpu]"))
+
+
+def test_more_gpus_keeps_a_fixed_micro_batch():
+    """A fixed micro-batch of 8 with a global batch of 8: on 2 GPUs 8 images per GPU need a global
+    batch of 16, so the suggestion plans that one instead of failing on 4 images per GPU."""
+    big = facts(params=12 * 10**9, act_gib=4, act_gc_gib=1)
+    settings = ("training.global_batch_size=8", "training.micro_batch_size=8", "planner.offload=[none]")
+    assert plan(big, hw("1xA100-80GB"), run_with(*settings)).chosen is None
+    more = suggest_more_gpus(big, hw("1xA100-80GB"), run_with(*settings))
+    assert more is not None and more.endswith(f"(global batch {8 * int(more.split()[0])})")

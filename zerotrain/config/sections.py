@@ -302,13 +302,13 @@ class PlannerConfig(_Section):
     assumed_mfu: float = Field(0.40, gt=0.0, le=1.0)
     """Model FLOPs utilisation assumed for the compute part of the step-time estimate."""
     cuda_context_bytes: int = Field(600 * 2**20, ge=0)
-    """Per-process CUDA context outside the allocator; 0.3-0.7 GB per process is typical
-    (FIELD_NOTES); calibrate on the GPU."""
+    """Per-process CUDA context outside the allocator; 0.3-0.7 GB per process is typical;
+    calibrate on the GPU."""
     nccl_workspace_bytes: int = Field(400 * 2**20, ge=0)
     """NCCL communicator buffers plus the cuBLAS workspace per process."""
     fragmentation: float = Field(0.10, ge=0.0, le=1.0)
     """Allocator overhead as a fraction of allocated bytes (reserved/allocated - 1): 10-50% with
-    changing shapes, low with expandable_segments (FIELD_NOTES)."""
+    changing shapes, low with expandable_segments."""
     pinned_exact_above_mib: int | None = Field(64, ge=0)
     """Pinned host buffers above this many MiB are pinned at their exact size: training sets torch's
     PYTORCH_CUDA_ALLOC_CONF pinned_max_round_threshold_mb to it (torch >= 2.13). Smaller ones round
@@ -334,8 +334,8 @@ class PlannerConfig(_Section):
     """ZeRO-3 optimizer sub-group, in elements: bounds the fp32 gradient copy at the step."""
     cpu_adam_params_per_second: float = Field(2.0e9, gt=0)
     """Parameters DeepSpeedCPUAdam updates per second per node, shared by the node's ranks. An
-    order-of-magnitude figure for a modern 2-socket server (CPU Adam is 5-7x torch's CPU Adam,
-    FIELD_NOTES); calibrate on your nodes."""
+    order-of-magnitude figure for a modern 2-socket server (DeepSpeedCPUAdam is 5-7x as fast as
+    torch's Adam on the CPU); calibrate on your nodes."""
     nvme_bandwidth: float = Field(3.0e9, gt=0)
     """Bytes/s one node reads or writes its NVMe offload folder (a PCIe 4 NVMe drive)."""
     cache_dir: Path | None = None

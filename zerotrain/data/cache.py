@@ -49,7 +49,7 @@ from zerotrain.data.dataset import Discovery, Item, Verdict
 from zerotrain.data.images import ImageRejected, load_rgb
 from zerotrain.distributed import barrier
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import ModelSpec
+from zerotrain.protocols import ModelSpec
 
 CACHE_VERSION = 1
 STORE_DTYPE = torch.bfloat16  # training runs in bf16; halves the cache

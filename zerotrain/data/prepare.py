@@ -24,7 +24,8 @@ from zerotrain.data.dataset import Discovery, Verdict, discover, enforce
 from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
 from zerotrain.distributed import Topology, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import ModelSpec, check_trainable
+from zerotrain.models.catalog import check_trainable
+from zerotrain.protocols import ModelSpec
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""Model families as plug-ins: one module per family, each defining `FAMILY`, an instance of
-`zerotrain.families.base.Family`. Adding a family is adding a module here (plus its catalog configs
-and tests); every module of this package that defines FAMILY is found at import.
+"""Model families as plug-ins: one module per family, each defining `FAMILY`, which implements
+`zerotrain.protocols.Family` (most subclass `zerotrain.families.base.BaseFamily`). Adding a family is
+adding a module here (plus its catalog configs and tests); every module of this package that defines
+FAMILY is found at import.
 
 The rest of zerotrain asks `of(spec)` for the family of a resolved model and never tests a family's
 name."""
@@ -10,17 +11,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from functools import cache
-from typing import TYPE_CHECKING
 
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.base import Family, VaeFacts
-
-if TYPE_CHECKING:
-    from zerotrain.models.catalog import ModelSpec
+from zerotrain.protocols import Family, ModelSpec
 
 __all__ = [
-    "Family",
-    "VaeFacts",
     "all_families",
     "by_class",
     "by_name",
@@ -40,9 +35,17 @@ def all_families() -> tuple[Family, ...]:
         if module.name.startswith("_") or module.name == "base":
             continue
         family = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FAMILY", None)
-        if isinstance(family, Family):
-            found.append(family)
+        if family is None:
+            continue
+        missing = [member for member in _MEMBERS if not hasattr(family, member)]
+        if missing:
+            raise TypeError(f"{__name__}.{module.name}.FAMILY lacks {', '.join(missing)} of zerotrain.protocols.Family")
+        found.append(family)
     return tuple(found)
+
+
+# What a FAMILY must have: the protocol's attributes and methods.
+_MEMBERS = (*Family.__annotations__, *(name for name in vars(Family) if not name.startswith("_")))
 
 
 def by_class(class_name: str) -> Family | None:

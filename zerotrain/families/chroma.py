@@ -48,8 +48,7 @@ from zerotrain.families.flux import (
 if TYPE_CHECKING:
     import torch
 
-    from zerotrain.models.catalog import ModelSpec
-    from zerotrain.objectives import FlowMatching
+    from zerotrain.protocols import FlowObjective, ModelSpec
 
 # The approximator (distilled_guidance_layer): Black Forest Labs' names are diffusers' except its
 # layers' two Linears (diffusers' convert_chroma_transformer_checkpoint_to_diffusers maps
@@ -156,7 +155,7 @@ class Chroma(Flux):
                                                      max_sequence_length=text_tokens)
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
-    def flow_inputs(self, objective: FlowMatching, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """As ChromaPipeline feeds the transformer, with a bool mask and the text cut to the batch's
         used tokens (used_text_tokens)."""
         import torch

@@ -11,22 +11,21 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
-    Family,
-    VaeFacts,
+    BaseFamily,
     check_tokens,
     example_timestep,
     kohya_lora,
     meta_or_random,
     text_and_pooled,
 )
+from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
 
-    from zerotrain.models.catalog import ModelSpec
-    from zerotrain.objectives import FlowMatching
+    from zerotrain.protocols import FlowObjective, ModelSpec
 
 # Flux packs each 2x2 patch of latents into one token (FluxPipeline._pack_latents), so in_channels is
 # 4 x the VAE's latent channels (64 = 4 x 16 for FLUX.1).
@@ -101,7 +100,7 @@ def latent_image_ids(height: int, width: int, device: torch.device) -> torch.Ten
     return FluxPipeline._prepare_latent_image_ids(None, height // FLUX_PATCH, width // FLUX_PATCH, device, torch.float32)
 
 
-class Flux(Family):
+class Flux(BaseFamily):
     name = "flux"
     title = "FLUX.1"
     denoiser_classes = ("FluxTransformer2DModel",)
@@ -146,7 +145,7 @@ class Flux(Family):
         prompt_embeds, pooled, _ = pipeline.encode_prompt(captions, device=device, max_sequence_length=text_tokens)
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
-    def flow_inputs(self, objective: FlowMatching, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         import torch
 
         b, _, h, w = x_t.shape

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
-    Family,
-    VaeFacts,
+    BaseFamily,
     check_tokens,
     example_timestep,
     meta_or_random,
@@ -38,14 +37,14 @@ from zerotrain.families.base import (
 )
 from zerotrain.families.flux import FLUX_SCHEDULER, fuse_lora, swap_halves
 from zerotrain.models.tiny_parts import QWEN3_CHAT_TEMPLATE, QWEN3_PROMPT, QWEN3_THINK_TOKENS
+from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
 
-    from zerotrain.models.catalog import ModelSpec
-    from zerotrain.objectives import FlowMatching
+    from zerotrain.protocols import FlowObjective, ModelSpec
 
 # convert_flux2_to_diffusers.py copies black-forest-labs/FLUX.1-dev's scheduler config into every FLUX.2
 # repo: dynamic shifting, whose calculate_shift parameters the FLUX.2 pipelines ignore (dynamic_shift).
@@ -195,7 +194,7 @@ def _bfl_target(module: str) -> tuple[str, tuple[str, ...]]:
     return found
 
 
-class Flux2(Family):
+class Flux2(BaseFamily):
     name = "flux2"
     title = "FLUX.2"
     denoiser_classes = ("Flux2Transformer2DModel",)
@@ -293,7 +292,7 @@ class Flux2(Family):
             raise ValueError(f"dynamic_shift: image_seq_len must be positive, got {image_seq_len}")
         return shift_from_mu(scheduler_config, compute_empirical_mu(image_seq_len, PIPELINE_STEPS))
 
-    def flow_inputs(self, objective: FlowMatching, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         import torch
         from diffusers import Flux2Pipeline
 

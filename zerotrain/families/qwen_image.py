@@ -37,20 +37,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
-    Family,
-    VaeFacts,
+    BaseFamily,
     check_tokens,
     example_timestep,
     meta_or_random,
 )
+from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
 
-    from zerotrain.models.catalog import ModelSpec
-    from zerotrain.objectives import FlowMatching
+    from zerotrain.protocols import FlowObjective, ModelSpec
 
 # QwenImagePipeline packs each 2x2 patch of latents into one token (_pack_latents): in_channels is 4 x
 # the VAE's z_dim (64 = 4 x 16), and the pipeline reads the latent channels as in_channels // 4.
@@ -126,7 +125,7 @@ def _channel_view(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, device=like.device, dtype=like.dtype).view(1, -1, 1, 1)
 
 
-class QwenImage(Family):
+class QwenImage(BaseFamily):
     name = "qwen_image"
     title = "Qwen-Image"
     denoiser_classes = ("QwenImageTransformer2DModel",)
@@ -215,7 +214,7 @@ class QwenImage(Family):
     def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
         return std * (1.0 / _channel_view(vae.config.latents_std, std))
 
-    def flow_inputs(self, objective: FlowMatching, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         b, _, h, w = x_t.shape
         text, mask = batch["prompt_embeds"], batch["prompt_embeds_mask"]
         if text.shape[0] != b:

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
-    Family,
-    VaeFacts,
+    BaseFamily,
     check_tokens,
     example_timestep,
     kohya_prefixed,
@@ -16,16 +15,16 @@ from zerotrain.families.base import (
     text_and_pooled,
 )
 from zerotrain.families.flux import MAX_T5_TOKENS
+from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
-    from zerotrain.models.catalog import ModelSpec
-    from zerotrain.objectives import FlowMatching
+    from zerotrain.protocols import FlowObjective, ModelSpec
 
 # The published scheduler config (stabilityai/stable-diffusion-3.5-large scheduler/scheduler_config.json).
 SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
 
 
-class SD3(Family):
+class SD3(BaseFamily):
     name = "sd3"
     title = "SD3"
     denoiser_classes = ("SD3Transformer2DModel",)
@@ -72,7 +71,7 @@ class SD3(Family):
         )
         return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
 
-    def flow_inputs(self, objective: FlowMatching, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         text, pooled = text_and_pooled(batch, x_t.shape[0])
         dtype = objective.model_dtype
         # SD3's transformer takes sigma * num_train_timesteps, as its scheduler's timesteps.

@@ -9,21 +9,21 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
-    Family,
-    VaeFacts,
+    BaseFamily,
     check_tokens,
     example_timestep,
     kohya_prefixed,
     meta_or_random,
     share_blocks,
 )
+from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
 
-    from zerotrain.models.catalog import ModelSpec
+    from zerotrain.protocols import ModelSpec
 
 # SDXL's add_time_ids: original size (2), crop top-left (2), target size (2).
 SDXL_TIME_IDS = 6
@@ -64,7 +64,7 @@ def sdxl_time_ids(
     return torch.tensor([int(v) for value in parts.values() for v in value], dtype=torch.float32)
 
 
-class UNet(Family):
+class UNet(BaseFamily):
     name = "unet"
     title = "SDXL"
     denoiser_classes = ("UNet2DConditionModel",)

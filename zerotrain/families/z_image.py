@@ -17,18 +17,17 @@ from typing import TYPE_CHECKING, Any
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
-    Family,
-    VaeFacts,
+    BaseFamily,
     example_timestep,
     kohya_lora,
     meta_or_random,
 )
+from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
     import torch
 
-    from zerotrain.models.catalog import ModelSpec
-    from zerotrain.objectives import FlowMatching
+    from zerotrain.protocols import FlowObjective, ModelSpec
 
 # ZImageTransformer2DModel.forward's default patch_size, which ZImagePipeline never overrides.
 Z_IMAGE_PATCH = 2
@@ -129,7 +128,7 @@ def check_rope_room(spec: ModelSpec, text_tokens: int, height: int, width: int) 
                              f"tokens {spec.name}'s axes_lens give ({pixels} px each)")
 
 
-class ZImage(Family):
+class ZImage(BaseFamily):
     name = "z_image"
     title = "Z-Image"
     denoiser_classes = ("ZImageTransformer2DModel",)
@@ -170,7 +169,7 @@ class ZImage(Family):
                                            max_sequence_length=text_tokens)
         return pad_captions(embeds, text_tokens)
 
-    def flow_inputs(self, objective: FlowMatching, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         b = x_t.shape[0]
         captions = caption_list(batch["prompt_embeds"], batch["prompt_embeds_mask"], b)
         dtype = objective.model_dtype

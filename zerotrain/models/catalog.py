@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from zerotrain import families
 from zerotrain.config.sections import ModelConfig
 from zerotrain.errors import ZerotrainError
+from zerotrain.protocols import ModelSpec
 
 # Denoiser class -> family name, for every family in zerotrain/families/.
 FAMILIES = {class_name: family.name for family in families.all_families() for class_name in family.denoiser_classes}
@@ -30,49 +30,15 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 _DENOISER_SUBFOLDERS = tuple(dict.fromkeys(family.denoiser_folder for family in families.all_families()))
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A resolved denoiser: enough to build it on the meta device and to shape its latents."""
-
-    name: str
-    """What the user gave: a catalog name, a path or a hub id."""
-    family: str
-    """The name of its family (zerotrain.families), which knows everything family-specific."""
-    class_name: str
-    """The diffusers class of the denoiser."""
-    config: dict[str, Any]
-    """The denoiser's diffusers config, with _class_name."""
-    vae_scale_factor: int
-    """Pixels per latent cell along each side."""
-    latent_channels: int
-    """Channels of the VAE latents (before the denoiser's own packing)."""
-    vae_scaling_factor: float | None
-    """Latents are (z - shift) * scaling before the denoiser sees them."""
-    vae_shift_factor: float | None
-    """See vae_scaling_factor; None means no shift."""
-    source: str
-    """Where the config came from: catalog, config.json <path>, folder <path> or hub <id>."""
-    pretrained: str | None
-    """Where weights come from: a hub id or a local folder; None for a bare config.json."""
-    subfolder: str | None
-    """Subfolder of `pretrained` (or of a saved pipeline folder) that holds the denoiser."""
-
-    def denoiser_class(self) -> type:
-        """The diffusers class itself (imported lazily: diffusers takes seconds to import)."""
-        import diffusers
-
-        return getattr(diffusers, self.class_name)
-
-    @property
-    def plan_only(self) -> bool:
-        """The planner measures and plans it, but zerotrain cannot cache or train it (an SD 1.x/2.x
-        UNet: zerotrain encodes captions for the families' own pipelines only)."""
-        return families.of(self).plan_only(self) is not None
+def is_plan_only(spec: ModelSpec) -> bool:
+    """The planner measures and plans it, but zerotrain cannot cache or train it (an SD 1.x/2.x UNet:
+    zerotrain encodes captions for the families' own pipelines only)."""
+    return families.of(spec).plan_only(spec) is not None
 
 
 def check_trainable(spec: ModelSpec) -> None:
-    """Raise one line for a plan-only model (see ModelSpec.plan_only). prepare() calls it on every
-    rank (for `zerotrain cache` and training) before anything is fetched or encoded."""
+    """Raise one line for a plan-only model (Family.plan_only). prepare() calls it on every rank (for
+    `zerotrain cache` and training) before anything is fetched or encoded."""
     kind = families.of(spec).plan_only(spec)
     if kind is not None:
         trainable = ", ".join(dict.fromkeys(family.title for family in families.all_families()))
@@ -90,7 +56,7 @@ def catalog_names() -> list[str]:
 
 def catalog_listing() -> str:
     """The catalog names for people to read, each plan-only one marked so."""
-    return ", ".join(f"{name} (plan only)" if _from_catalog(name).plan_only else name for name in catalog_names())
+    return ", ".join(f"{name} (plan only)" if is_plan_only(_from_catalog(name)) else name for name in catalog_names())
 
 
 def resolve_model(config: ModelConfig) -> ModelSpec:

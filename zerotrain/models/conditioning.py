@@ -19,7 +19,8 @@ import torch
 
 from zerotrain import families
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import ModelSpec, check_trainable
+from zerotrain.models.catalog import check_trainable
+from zerotrain.protocols import ModelSpec
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL

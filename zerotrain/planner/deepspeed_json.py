@@ -51,6 +51,10 @@ def deepspeed_config(layout: Layout, run: RunConfig, world_size: int) -> dict[st
         if layout.zeropp == "hpz-qwz-qgz":
             zero.update({"zero_quantized_weights": True, "zero_quantized_gradients": True})
     nvme_path = str(run.hardware.nvme_path) if run.hardware.nvme_path else None
+    if nvme_path is None and "nvme" in (layout.offload_optimizer, layout.offload_param):
+        raise ZerotrainError(
+            f"hardware.nvme_path is unset, but the layout offloads to NVMe ({layout.label()}); set "
+            "hardware.nvme_path to a folder on a local NVMe drive, or remove nvme from planner.offload")
     if layout.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": layout.offload_optimizer, "pin_memory": True}
         if layout.offload_optimizer == "nvme":
@@ -71,8 +75,30 @@ def deepspeed_config(layout: Layout, run: RunConfig, world_size: int) -> dict[st
         "steps_per_print": 10**9,  # zerotrain prints its own progress
         "wall_clock_breakdown": False,
     }
-    assert "auto" not in json.dumps(config), "DeepSpeed config must hold concrete values only"
+    placeholder = _placeholder(config)
+    if placeholder is not None:
+        raise ZerotrainError(f"internal: DeepSpeed config key {placeholder} is not a concrete value; "
+                             "report this as a zerotrain bug")
     return config
+
+
+def _placeholder(value: Any, where: str = "") -> str | None:
+    """The dotted key of the first value that is DeepSpeed's "auto" placeholder, or None when every
+    value is concrete. Values are checked, not the JSON text: a path such as /mnt/auto/nvme is
+    concrete."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _placeholder(item, f"{where}.{key}" if where else str(key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found = _placeholder(item, f"{where}[{index}]")
+            if found is not None:
+                return found
+        return None
+    return where if isinstance(value, str) and value.strip().lower() == "auto" else None
 
 
 def optimizer_section(name: str, run: RunConfig) -> dict[str, Any]:

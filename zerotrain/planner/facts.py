@@ -14,7 +14,7 @@ from zerotrain import families
 
 if TYPE_CHECKING:
     from zerotrain.config.sections import RunConfig
-    from zerotrain.models.catalog import ModelSpec
+    from zerotrain.protocols import ModelSpec
 
 
 @dataclass

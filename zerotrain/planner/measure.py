@@ -20,7 +20,7 @@ from zerotrain.config.sections import Mode, RunConfig
 from zerotrain.planner.facts import ModelFacts, lora_targets, unpack_facts
 
 if TYPE_CHECKING:
-    from zerotrain.models.catalog import ModelSpec
+    from zerotrain.protocols import ModelSpec
 
 # Bump when the measurement changes, so cached facts from older code are not reused.
 FACTS_VERSION = 8

@@ -140,6 +140,10 @@ class Buffers:
     of two; None: torch's default, every pinned allocation rounds up."""
     host_offload_factor: float = 1.0
     """Measured over predicted offload host bytes (zerotrain calibrate)."""
+    shares_copies: bool = True
+    """Whether zerotrain drops DeepSpeed's buffers that only repeat another with bf16 masters
+    (deepspeed_compat.sharing_in_force, the flag the engine reads too): off on an untested
+    DeepSpeed version and under DS_PIN_MEMORY_BACKEND=native, where DeepSpeed keeps its own copies."""
 
 
 def master_element(layout: Layout) -> int:
@@ -289,7 +293,7 @@ def fp32_grads(layout: Layout, s: Sizes, b: Buffers) -> int:
     return master_element(layout) * partition
 
 
-def master_weights(layout: Layout, s: Sizes) -> int:
+def master_weights(layout: Layout, s: Sizes, b: Buffers | None = None) -> int:
     """fp32 master copy of the trainable parameters: whole at stage 0 (FP16_Optimizer's
     fp32_groups_flat, unpadded), partitioned from stage 1. adamw-bf16: a bf16 copy of the partition
     (single_partition_of_fp32_groups, fp32_partitioned_groups_flat in master_weights_and_grads_dtype).
@@ -297,10 +301,10 @@ def master_weights(layout: Layout, s: Sizes) -> int:
     device (stage3.py _create_fp32_partitions): with bf16 masters and the parameters on the GPU it
     holds no second copy. (DeepSpeed 0.19.8 compares the partition's torch.device with the
     accelerator's device name, a string, which is never equal; zerotrain gives it the name as a
-    torch.device, engine.zero3_shares_bf16_masters.)"""
+    torch.device, deepspeed_compat; not without b.shares_copies.)"""
     if layout.offload_optimizer != "none":
         return 0
-    if layout.bf16_masters and layout.stage == 3 and layout.offload_param == "none":
+    if layout.bf16_masters and layout.stage == 3 and layout.offload_param == "none" and (b or Buffers()).shares_copies:
         return 0
     if layout.bf16_masters:
         return LP * s.trainable_params // s.world_size
@@ -354,7 +358,7 @@ def init_transient(layout: Layout, s: Sizes, b: Buffers) -> int:
         return FP32 * s.trainable_params
     if layout.stage == 3:
         return fp32_grads(layout, s, b)
-    return max(LP * s.trainable_params - master_weights(layout, s), fp32_grads(layout, s, b))
+    return max(LP * s.trainable_params - master_weights(layout, s, b), fp32_grads(layout, s, b))
 
 
 def save_gather(layout: Layout, s: Sizes) -> int:
@@ -389,7 +393,7 @@ def estimate(layout: Layout, s: Sizes, b: Buffers, activation_peak: int, input_b
     first micro-batch of an accumulation has none yet, but every later one does."""
     states = {
         "bf16 params": lp_params(layout, s),
-        "fp32 master": master_weights(layout, s),
+        "fp32 master": master_weights(layout, s, b),
         "optimizer states": optimizer_states(layout, s, b),
         "buffers": s.buffer_bytes,
         "hpz secondary params": hpz_secondary(layout, s),
@@ -473,14 +477,15 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
     - ZeRO 1/2 (stage_1_and_2.py): the fp32 master partition (single_partition_of_fp32_groups)
       and its fp32 gradient, a bf16 copy of the partition for the upload after the step
       (param_buffer_of_bit16_for_cpu_offload_groups; with bf16 masters the master itself,
-      engine.share_upload_copies) and a bf16 gradient of the largest parameter
+      deepspeed_compat._share_upload_copies) and a bf16 gradient of the largest parameter
       (temp_grad_buffer_for_cpu_offload) are pinned; with gradient accumulation, ZeRO-2 pins a
       bf16 accumulator per parameter (accumulated_grads_in_cpu). DeepSpeedCPUAdam's moments are
       plain host tensors (cpu_adam.py: zeros_like).
     - ZeRO-3 (stage3.py): the fp32 master per sub-group is plain (a clone), its fp32 gradient
       pinned; the bf16 gradient partition (grad_partitions_flat_buffer) is pinned. With bf16
       masters the master's gradient is its range of that partition, and with the parameters
-      offloaded too the master is the bf16 partition (engine.zero3_shares_bf16_masters). With the
+      offloaded too the master is the bf16 partition (deepspeed_compat._zero3_shares_bf16_masters).
+      With the
       parameters offloaded, the trainable bf16 partition is one pinned flat buffer per sub-group
       (param_groups_fp16_flat_cpu_memory) and each frozen parameter's partition is pinned on its own
       (partition_parameters.py)."""
@@ -495,17 +500,18 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
         if layout.stage == 3:
             groups = _chunks(per_rank, b.sub_group_size)
             # bf16 masters: the master is the offloaded bf16 partition itself, and its gradient a
-            # range of the bf16 gradient partition (engine.zero3_shares_bf16_masters)
-            if not (layout.bf16_masters and layout.offload_param == "cpu"):
+            # range of the bf16 gradient partition (deepspeed_compat), where b.shares_copies
+            shared = layout.bf16_masters and b.shares_copies
+            if not (shared and layout.offload_param == "cpu"):
                 out.append(HostBuffer("fp32 master", tuple(m * n for n in groups), pinned=False))
-            if not layout.bf16_masters:
+            if not shared:
                 out.append(HostBuffer("fp32 grads", tuple(m * n for n in groups), pinned=True))
             out.append(HostBuffer("bf16 grad partition", (LP * per_rank,), pinned=True))
         else:
             out += [HostBuffer("fp32 master", (m * per_rank,), pinned=True),
                     HostBuffer("fp32 grads", (m * per_rank,), pinned=True),
                     HostBuffer("grad staging", (LP * s.largest_trainable_param,), pinned=True)]
-            if not layout.bf16_masters:  # a bf16 master is its own upload copy (engine.share_upload_copies)
+            if not (layout.bf16_masters and b.shares_copies):  # a bf16 master is its own upload copy
                 out.append(HostBuffer("bf16 upload copy", (LP * per_rank,), pinned=True))
             if layout.stage == 2 and layout.accumulation > 1:
                 if s.all_trainable and s.param_numels:

@@ -8,7 +8,6 @@ from rich.table import Table
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
-from zerotrain.models.catalog import ModelSpec
 from zerotrain.planner.facts import ModelFacts
 from zerotrain.planner.measure import measure_model
 from zerotrain.planner.search import (
@@ -21,6 +20,7 @@ from zerotrain.planner.search import (
     suggest_host_memory,
     suggest_more_gpus,
 )
+from zerotrain.protocols import ModelSpec
 
 # Largest terms shown inline per candidate row.
 TOP_TERMS = 3
@@ -154,6 +154,30 @@ def base_choices(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: Run
     return lines
 
 
+# The optimizers (optimizer.name; OptimizerConfig) in planner.optimizers' order of preference, with
+# their bytes per trainable parameter (bf16 weights and gradients included) and what each changes in
+# the numerics against fp32 AdamW.
+OPTIMIZER_MEMORY = {
+    "adamw": (16, "fp32 master weights and moments"),
+    "adamw-bf16": (10, "bf16 master weights and moments instead of fp32"),
+    "adamw-8bit": (8, "bf16 master weights and 8-bit moments instead of fp32; resumes on the same GPU count only"),
+    "adafactor": (10, "bf16 masters and no first moment instead of fp32 AdamW; resumes on the same GPU count only"),
+}
+
+
+def suggest_optimizer(spec: ModelSpec, hw: HardwareFacts, run: RunConfig) -> str | None:
+    """The first optimizer, in planner.optimizers' default order, that needs less memory than those
+    the plan tried and with which something fits; it changes numerics, so the line says how."""
+    tried = list(run.planner.optimizers) if run.optimizer.name == "auto" else [run.optimizer.name]
+    least = min(OPTIMIZER_MEMORY[name][0] for name in tried)
+    for name, (per_param, numerics) in OPTIMIZER_MEMORY.items():
+        if name in tried or per_param >= least:
+            continue
+        if _fits_with(spec, hw, run, {"optimizer.name": name}):
+            return f"a lower-memory optimizer ({numerics}): --set optimizer.name={name}"
+    return None
+
+
 def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> list[str]:
     """Concrete changes that would make the job fit, each checked by planning again."""
     found = []
@@ -165,6 +189,9 @@ def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunC
             found.append(memory)
     if "cpu" not in run.planner.offload and _fits_with(spec, hw, run, {"planner.offload": ["none", "cpu", "nvme"]}):
         found.append("allow CPU offload: --set 'planner.offload=[none,cpu]'")
+    optimizer = suggest_optimizer(spec, hw, run)
+    if optimizer:
+        found.append(optimizer)
     if run.training.mode is Mode.full:
         if _fits_with(spec, hw, run, {"training.mode": "lora"}):
             found.append(f"LoRA instead of a full fine-tune: --mode lora (rank {run.training.lora.rank})")

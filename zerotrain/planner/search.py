@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerotrain.config.sections import Quantization, RunConfig
+from zerotrain.deepspeed_compat import sharing_in_force
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
 from zerotrain.planner.facts import ModelFacts
@@ -114,6 +115,7 @@ def buffers_from(run: RunConfig) -> Buffers:
         fragmentation=p.fragmentation,
         pinned_exact_above=None if p.pinned_exact_above_mib is None else p.pinned_exact_above_mib * 2**20,
         host_offload_factor=p.host_offload_factor,
+        shares_copies=sharing_in_force().enabled,
     )
 
 
@@ -385,6 +387,14 @@ def plan(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Plan:
     check_blocks(run, facts)
     candidates = [evaluate(layout, facts, hw, run) for layout in layouts(run, hw, per_rank)
                   if facts.offload_input_bytes or not layout.offload_activations]
+    if not candidates:
+        listed = {key: "[" + ",".join(str(v) for v in values) + "]"
+                  for key, values in (("stages", run.planner.stages), ("offload", run.planner.offload))}
+        compiled = "; training.compile=true leaves out ZeRO-3" if run.training.compile is True else ""
+        raise ZerotrainError(
+            f"planner.stages={listed['stages']} with planner.offload={listed['offload']} and "
+            f"optimizer.name={run.optimizer.name} leave no layout to plan (ZeRO-0 offloads nothing and trains adamw "
+            f"only{compiled}); allow more planner.stages or planner.offload targets")
     candidates += partial_checkpointing(candidates, facts, hw, run)
     preference = optimizer_preference(run)
     candidates.sort(key=lambda c: (not c.fits, -c.images_per_second, preference.get(c.layout.optimizer, 0),
@@ -507,13 +517,21 @@ def describe(layout: Layout) -> str:
 
 
 def suggest_more_gpus(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> str | None:
-    """The smallest multiple of the node count (up to 64 nodes) on which something fits."""
+    """The smallest multiple of the node count (up to 64 nodes) on which something fits. The global
+    batch becomes the nearest multiple of the world size (times a fixed training.micro_batch_size)
+    at or below the configured one, at least one step of it; a node count the config cannot
+    plan for is skipped."""
+    micro = run.training.micro_batch_size
     for nodes in range(hw.nodes + 1, 65):
         bigger = dataclasses.replace(hw, nodes=nodes)
-        world = bigger.world_size
-        batch = max(run.training.global_batch_size // world, 1) * world
+        step = bigger.world_size * (1 if micro == "auto" else micro)
+        batch = max(run.training.global_batch_size // step, 1) * step
         trial = run.model_copy(update={"training": run.training.model_copy(update={"global_batch_size": batch})})
-        if plan(facts, bigger, trial).chosen:
+        try:
+            result = plan(facts, bigger, trial)
+        except ZerotrainError:
+            continue
+        if result.chosen:
             return f"{nodes} nodes of {hw.gpus_per_node} GPUs (global batch {batch})"
     return None
 

@@ -29,8 +29,8 @@ from torch.utils.flop_counter import flop_registry
 
 from zerotrain import families, recompute
 from zerotrain.config.sections import Mode, Quantization, RunConfig
-from zerotrain.models.catalog import ModelSpec
 from zerotrain.planner.facts import ActivationFacts, CheckpointUnit, ModelFacts, lora_targets
+from zerotrain.protocols import ModelSpec
 from zerotrain.quiet import hidden_warnings
 
 BF16 = 2  # bytes per bf16 element

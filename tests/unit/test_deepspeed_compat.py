@@ -1,0 +1,114 @@
+"""zerotrain.deepspeed_compat: the tested-version gate, the one flag the planner and the engine read,
+and the rule that no other module reaches into DeepSpeed's private state."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from zerotrain import deepspeed_compat, versions
+from zerotrain.planner import memory
+from zerotrain.planner.memory import Buffers, Layout, Sizes
+
+REPO = Path(__file__).resolve().parents[2]
+TESTED_DS = versions.TESTED["deepspeed"][0]
+
+
+def test_the_gate_allows_sharing_only_on_a_tested_version_without_native_pinning():
+    assert deepspeed_compat.buffer_sharing(TESTED_DS, environ={}).enabled
+    newer = deepspeed_compat.buffer_sharing("0.19.9", environ={})
+    assert not newer.enabled and "0.19.9" in newer.why and TESTED_DS in newer.why
+    native = deepspeed_compat.buffer_sharing(TESTED_DS, environ={"DS_PIN_MEMORY_BACKEND": "native"})
+    assert not native.enabled and "DS_PIN_MEMORY_BACKEND=native" in native.why
+    assert deepspeed_compat.buffer_sharing(TESTED_DS, environ={"DS_PIN_MEMORY_BACKEND": "torch"}).enabled
+
+
+def test_an_untested_deepspeed_switches_sharing_off_once_and_the_planner_counts_the_copies(monkeypatch, capsys):
+    """The planner's Buffers take the same flag the engine's initialize reads (sharing_in_force)."""
+    from zerotrain.config import RunConfig
+    from zerotrain.planner.search import buffers_from
+
+    run = RunConfig.model_validate({"model": {"name_or_path": "tiny-flux"}})
+    deepspeed_compat.sharing_in_force.cache_clear()
+    monkeypatch.setattr(versions, "installed", lambda name: "0.20.1" if name == "deepspeed" else None)
+    try:
+        assert buffers_from(run).shares_copies is False
+        assert buffers_from(run).shares_copies is False
+        warnings = [line for line in capsys.readouterr().err.splitlines() if "buffer sharing off" in line]
+        assert len(warnings) == 1 and "DeepSpeed 0.20.1" in warnings[0]
+    finally:
+        deepspeed_compat.sharing_in_force.cache_clear()
+    monkeypatch.undo()
+    assert buffers_from(run).shares_copies is True
+
+
+SIZES = Sizes(trainable_params=10**9, frozen_bytes=0, frozen_shardable=True, largest_layer_params=10**7,
+              buffer_bytes=0, world_size=2, gpus_per_node=2, largest_trainable_param=10**7)
+
+
+@pytest.mark.parametrize(("layout", "term", "more"), [
+    # ZeRO-3 on the GPU: the bf16 master is a second copy of the partition (2 B per parameter / world)
+    (Layout(3, optimizer="adamw-bf16"), "gpu", 10**9),
+    # ZeRO 1/2 offloaded: DeepSpeed's pinned bf16 upload copy beside the bf16 master
+    (Layout(2, offload_optimizer="cpu", optimizer="adamw-bf16"), "host", 10**9),
+    # ZeRO-3 with the parameters offloaded: the master clone and its gradient buffer
+    (Layout(3, offload_optimizer="cpu", offload_param="cpu", optimizer="adamw-bf16"), "host", 2 * 10**9),
+])
+def test_unshared_buffers_cost_what_deepspeed_keeps(layout, term, more):
+    def cost(b: Buffers) -> int:
+        if term == "gpu":
+            return memory.master_weights(layout, SIZES, b)
+        return sum(sum(x.sizes) for x in memory.offload_buffers(layout, SIZES, b))
+
+    assert cost(Buffers(shares_copies=False)) - cost(Buffers()) == more
+
+
+def test_fp32_adamw_is_unchanged_by_the_flag():
+    layout = Layout(3, offload_optimizer="cpu", offload_param="cpu")
+    assert memory.offload_buffers(layout, SIZES, Buffers()) == memory.offload_buffers(
+        layout, SIZES, Buffers(shares_copies=False))
+
+
+# DeepSpeed's private names and modules: only deepspeed_compat may use them. deepspeed.runtime.config
+# (DeepSpeedConfig, DeepSpeed's own validation of a config) is the one deepspeed.runtime import
+# allowed elsewhere.
+PRIVATE = re.compile(r"_hp_mapping|checkpoint_engine|ds_opt_adam|multi_tensor_adam|_create_fp32_partitions|"
+                     r"set_grad_positions|fp32_partitioned_groups_flat|single_partition_of_fp32_groups|"
+                     r"param_buffer_of_bit16|grad_partitions_flat_buffer|_partition_all_parameters|"
+                     r"git_version_info|(?<![a-z_])op_builder|ds_to_universal\.main|_host_emptyCache")
+ALLOWED_RUNTIME = {"deepspeed.runtime.config"}
+
+
+def private_reaches(root: Path) -> list[str]:
+    """Every private DeepSpeed name or deepspeed.runtime import outside deepspeed_compat.py."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "deepspeed_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = None
+            if isinstance(node, ast.Attribute):
+                text = node.attr
+            elif isinstance(node, ast.ImportFrom):
+                text = node.module or ""
+                if text.startswith("deepspeed.runtime") and text not in ALLOWED_RUNTIME:
+                    found.append(f"{path.relative_to(root)}:{node.lineno} imports {text}")
+            if text and PRIVATE.search(text):
+                found.append(f"{path.relative_to(root)}:{node.lineno} {text}")
+    return found
+
+
+def test_no_other_module_reaches_into_deepspeed_internals():
+    offenders = private_reaches(REPO / "zerotrain")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_check_sees_a_private_reach(tmp_path):
+    (tmp_path / "ema.py").write_text("def f(p):\n    return p._hp_mapping\n")
+    (tmp_path / "save.py").write_text("from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3\n")
+    (tmp_path / "deepspeed_compat.py").write_text("def f(e):\n    return e.checkpoint_engine\n")
+    assert private_reaches(tmp_path) == ["ema.py:2 _hp_mapping",
+                                         "save.py:1 imports deepspeed.runtime.zero.stage3"]

@@ -1,0 +1,305 @@
+"""The types every layer names, in a leaf module that imports nothing else of zerotrain: the resolved
+model (`ModelSpec`), the protocol every model family implements (`Family`, with `VaeFacts`), and what a
+family reads of the flow-matching objective (`FlowObjective`).
+
+Layers point one way: zerotrain.families implements `Family` on top of this module, zerotrain.models
+resolves models into `ModelSpec`s by asking the families, and zerotrain.objectives drives a family's
+`flow_inputs`; none of them needs another to name these types (tests/unit/test_layout.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A resolved denoiser: enough to build it on the meta device and to shape its latents."""
+
+    name: str
+    """What the user gave: a catalog name, a path or a hub id."""
+    family: str
+    """The name of its family (zerotrain.families), which knows everything family-specific."""
+    class_name: str
+    """The diffusers class of the denoiser."""
+    config: dict[str, Any]
+    """The denoiser's diffusers config, with _class_name."""
+    vae_scale_factor: int
+    """Pixels per latent cell along each side."""
+    latent_channels: int
+    """Channels of the VAE latents (before the denoiser's own packing)."""
+    vae_scaling_factor: float | None
+    """Latents are (z - shift) * scaling before the denoiser sees them."""
+    vae_shift_factor: float | None
+    """See vae_scaling_factor; None means no shift."""
+    source: str
+    """Where the config came from: catalog, config.json <path>, folder <path> or hub <id>."""
+    pretrained: str | None
+    """Where weights come from: a hub id or a local folder; None for a bare config.json."""
+    subfolder: str | None
+    """Subfolder of `pretrained` (or of a saved pipeline folder) that holds the denoiser."""
+
+    def denoiser_class(self) -> type:
+        """The diffusers class itself (imported lazily: diffusers takes seconds to import)."""
+        import diffusers
+
+        return getattr(diffusers, self.class_name)
+
+
+@dataclass(frozen=True)
+class VaeFacts:
+    """What shapes the latents: read from a vae/config.json, or the family's published VAE."""
+
+    scale_factor: int
+    """Pixels per latent cell along each side."""
+    latent_channels: int
+    scaling_factor: float | None
+    """Latents are (z - shift) * scaling before the denoiser sees them (per channel for some VAEs:
+    then None, and the family normalizes)."""
+    shift_factor: float | None
+
+
+class GuidanceSetting(Protocol):
+    @property
+    def guidance(self) -> float:
+        """The guidance a guidance-distilled denoiser is fed while training (objective.guidance)."""
+        ...
+
+
+class FlowObjective(Protocol):
+    """What Family.flow_inputs reads of the flow-matching objective (zerotrain.objectives.FlowMatching)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def config(self) -> GuidanceSetting: ...
+
+    @property
+    def num_train_timesteps(self) -> int:
+        """From the scheduler config; SD3's transformer takes sigma * num_train_timesteps."""
+        ...
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The denoiser's parameter dtype, which its floating inputs take."""
+        ...
+
+
+class Family(Protocol):
+    """One model family: everything that differs between model families. Each module of
+    zerotrain/families/ defines one as FAMILY (most subclass zerotrain.families.base.BaseFamily, which
+    holds the defaults most families share); the rest of zerotrain asks `zerotrain.families.of(spec)`
+    and never tests its name."""
+
+    name: ClassVar[str]
+    """Stored in caches, plan facts and export manifests; never compared outside families/."""
+    title: ClassVar[str]
+    """For people: FLUX.1, SD3, SDXL."""
+    denoiser_classes: ClassVar[tuple[str, ...]]
+    """The diffusers denoiser classes this family trains."""
+    denoiser_folder: ClassVar[str]
+    """The denoiser's subfolder in a diffusers model folder, and its pipeline component name."""
+    vae_class: ClassVar[str]
+    pipeline: ClassVar[str]
+    """The diffusers pipeline: its encode_prompt, its validation images, its LoRA file format."""
+    text_components: ClassVar[tuple[tuple[str, str], ...]]
+    """(tokenizer, text encoder) component names of the pipeline, in the pipeline's order."""
+    text_outputs: ClassVar[tuple[str, ...]]
+    """What encode_prompt returns per caption, as the cache stores it."""
+    default_text_tokens: ClassVar[int]
+    """Text sequence length the pipeline feeds the denoiser by default."""
+    lora_targets: ClassVar[tuple[str, ...]]
+    """Default LoRA target modules (peft semantics), as diffusers' training script chooses them."""
+    default_guidance: ClassVar[float]
+    """The pipeline __call__'s default guidance_scale."""
+    classifier_free_guidance: ClassVar[bool]
+    """Guidance is classifier-free (a negative prompt, two predictions per step) above 1."""
+    pipeline_extras: ClassVar[dict[str, Any]]
+    """Further pipeline constructor arguments when zerotrain builds one from components."""
+    default_in_channels: ClassVar[int]
+    """The denoiser class's own default in_channels, when a config leaves it out."""
+    shift_defaults: ClassVar[dict[str, float]]
+    """calculate_shift's parameters when the scheduler config omits them (dynamic-shift families)."""
+    depth_keys: ClassVar[tuple[str, ...]]
+    """Config keys that count the denoiser's repeated blocks (what `zerotrain calibrate --blocks`
+    shortens)."""
+    objective: ClassVar[str]
+    """flow: rectified flow with the scheduler's shift, inputs laid out by flow_inputs; ddpm: noise
+    prediction with the scheduler's betas, for UNets (ddpm_time_ids says what conditions them)."""
+
+    # --- the model and its latents -----------------------------------------------------------------
+
+    def latent_channels(self, config: dict[str, Any], where: Path | str) -> int:
+        """Latent channels the denoiser predicts. out_channels, not in_channels: inpainting variants
+        feed extra mask/image channels in, but always predict the VAE latent."""
+        ...
+
+    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
+        """The family's published VAE, assumed when only a denoiser config is given."""
+        ...
+
+    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
+        """The facts of a vae/config.json (an AutoencoderKL by default)."""
+        ...
+
+    def patch(self, spec: ModelSpec) -> int:
+        """Latent cells per image token along each side (the denoiser's patching or packing)."""
+        ...
+
+    def pixel_factor(self, spec: ModelSpec) -> int:
+        """Sides of a training image must be multiples of this: the VAE's downsampling times the
+        denoiser's own patching."""
+        ...
+
+    def image_tokens(self, spec: ModelSpec, resolution: int) -> int:
+        """Image tokens (DiTs) of a square image at this resolution."""
+        ...
+
+    def latent_tokens(self, spec: ModelSpec, height: int, width: int) -> int:
+        """Image tokens of (height, width) latents: the sequence length a dynamic shift follows."""
+        ...
+
+    def plan_only(self, spec: ModelSpec) -> str | None:
+        """What kind of model zerotrain can plan but not cache or train, when this is one (in words:
+        "SD 1.x/2.x UNets"); None when it trains it."""
+        ...
+
+    def pipeline_name(self, spec: ModelSpec) -> str:
+        """The diffusers pipeline class of this model."""
+        ...
+
+    def default_lora_targets(self, spec: ModelSpec) -> list[str]:
+        """LoRA target modules when training.lora.target_modules is not given."""
+        ...
+
+    def with_blocks(self, config: dict[str, Any], blocks: int) -> dict[str, Any]:
+        """The denoiser config with `blocks` blocks in all at full width, shared among depth_keys in
+        proportion to the published depths (at least one each): a quick calibration model."""
+        ...
+
+    def enable_checkpointing(self, model: torch.nn.Module, blocks: list[str] | None = None,
+                             checkpoint_fn: Any = None) -> None:
+        """Gradient checkpointing of every block (blocks None), as diffusers'
+        enable_gradient_checkpointing does it, or of the named blocks (zerotrain.recompute), through
+        checkpoint_fn(function, *args) (default: non-reentrant torch.utils.checkpoint; activation
+        offload: recompute.OffloadingCheckpoint)."""
+        ...
+
+    # --- conditioning ------------------------------------------------------------------------------
+
+    def encode_prompt(
+        self, pipeline: Any, captions: list[str], text_tokens: int, device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """Text conditioning of a batch of captions through the pipeline's own encode_prompt (one image
+        per prompt, no classifier-free guidance), named as text_outputs."""
+        ...
+
+    def vae_downsampling(self, vae: Any) -> int:
+        """Pixels per latent cell of a loaded VAE."""
+        ...
+
+    def vae_latent_channels(self, vae: Any) -> int: ...
+
+    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
+        """The VAE's latent distribution of (B, 3, H, W) pixels in [-1, 1]: .mean, .std and
+        .sample(generator), each (B, C, h, w)."""
+        ...
+
+    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents (B, C, h, w) into the denoiser's space, as the pipeline's inverse before
+        decoding expects them: (z - shift) * scaling by default."""
+        ...
+
+    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
+        """The posterior's std through normalize_latents (the shift drops out)."""
+        ...
+
+    def negative_embeds(self, folder: Path, negative_prompt: str, encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The negative conditioning classifier-free guidance uses, given the encoded negative prompt."""
+        ...
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def ddpm_time_ids(self, spec: ModelSpec) -> bool:
+        """DDPM families: whether the UNet takes SDXL's pooled text and size/crop time ids."""
+        ...
+
+    def dynamic_shift(self, scheduler_config: dict[str, Any], image_seq_len: int) -> float:
+        """The shift the pipeline samples with for image_seq_len image tokens when the scheduler uses
+        dynamic shifting. By default FluxPipeline's: mu from diffusers' calculate_shift, linear in the
+        sequence length between the scheduler config's (base_image_seq_len, base_shift) and
+        (max_image_seq_len, max_shift), shift_defaults filling what the config leaves out."""
+        ...
+
+    def flow_inputs(
+        self, objective: FlowObjective, x_t: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, Any], torch.Tensor]:
+        """Flow families: the denoiser's forward arguments for noised latents x_t (B, C, h, w) at sigma
+        (B,), as the pipeline feeds them, and the target (noise - x0) laid out as the denoiser's output."""
+        ...
+
+    def prediction(self, output: Any) -> torch.Tensor:
+        """The denoiser's prediction as one tensor the shape of the target, from the first element of
+        its return_dict=False output."""
+        ...
+
+    def example_inputs(
+        self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
+        device: torch.device | str, dtype: torch.dtype,
+    ) -> dict[str, Any]:
+        """Keyword arguments for one training forward of the denoiser, shaped as the pipeline shapes
+        them, for the planner's trace. Values are uninitialised on meta, random elsewhere."""
+        ...
+
+    # --- validation images -------------------------------------------------------------------------
+
+    def classifier_free(self, guidance_scale: float) -> bool:
+        """Whether the pipeline runs classifier-free guidance (a negative prediction per step, from the
+        negative prompt's embeddings) at this guidance_scale: above 1 (do_classifier_free_guidance)."""
+        ...
+
+    def takes_negative(self, spec: ModelSpec, folder: Path) -> bool:
+        """Whether the pipeline of this model (its folder's model_index.json) guides with a negative
+        prompt at all: always by default; a family whose models differ (guidance-distilled ones beside
+        classifier-free ones) says per model."""
+        ...
+
+    def pipeline_kwargs(self, spec: ModelSpec, folder: Path) -> dict[str, Any]:
+        """Constructor arguments beyond the components when zerotrain builds this model's pipeline around
+        the trained denoiser (settings of its folder's model_index.json): pipeline_extras by default."""
+        ...
+
+    def validation_kwargs(
+        self, embeds: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None, guidance_scale: float
+    ) -> dict[str, Any]:
+        """The pipeline __call__ arguments that carry the conditioning and guidance."""
+        ...
+
+    # --- export ------------------------------------------------------------------------------------
+
+    def comfyui_lora(
+        self, model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float
+    ) -> dict[str, torch.Tensor]:
+        """The LoRA in the key naming ComfyUI loads for this family: pairs maps each adapted diffusers
+        module to its (lora_A, lora_B) weights; kohya's "<name>.lora_down/.lora_up/.alpha"."""
+        ...
+
+    def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A full fine-tune's denoiser weights in the key naming ComfyUI's "Load Diffusion Model" reads
+        (diffusers' own names, which ComfyUI converts, by default)."""
+        ...
+
+    # --- the tiny model ----------------------------------------------------------------------------
+
+    def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+        """The pipeline class and every component but the VAE for a tiny model of this family, the
+        denoiser built from `denoiser` (a catalog config) and text encoders as narrow as it expects."""
+        ...
