@@ -135,6 +135,45 @@ class PhasePeaks:
             self.reserved[phase] = max(self.reserved.get(phase, 0), torch.cuda.max_memory_reserved(self.device))
 
 
+class RandomFeed:
+    """Calibration's micro-batches: the family's example inputs, and an MSE against a random target
+    (the step's cost, not what it learns)."""
+
+    def __init__(self, family: Any, spec: Any, micro: int, side: int, tokens: int, device: torch.device):
+        self.family, self.spec, self.micro, self.side, self.tokens, self.device = family, spec, micro, side, tokens, device
+
+    def __call__(self, index: int) -> Any:
+        import torch
+
+        inputs = self.family.example_inputs(self.spec, self.micro, self.side, self.side, self.tokens, self.device,
+                                            torch.bfloat16)
+        return inputs, self.loss
+
+    def loss(self, output: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        pred = self.family.prediction(output)
+        return torch.nn.functional.mse_loss(pred.float(), torch.randn_like(pred, dtype=torch.float32))
+
+
+class PhaseLaps:
+    """trainer.train_step's laps as calibrate measures them: each phase's allocator peak (PhasePeaks)
+    and, while `recording`, its seconds; the inputs are built before the forward's clock starts."""
+
+    def __init__(self, peaks: PhasePeaks):
+        self.peaks, self.recording = peaks, False
+        self.times: dict[str, list[float]] = {"forward_backward": [], "optimizer": []}
+        self.began = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if phase != "data":
+            self.peaks.end(phase)
+            if self.recording:
+                self.times[phase].append(time.perf_counter() - self.began)
+        self.peaks.start()
+        self.began = time.perf_counter()
+
+
 def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: torch.device, steps: int,
                checkpointing: bool | list[str]) -> dict:
     """Build the engine of one layout (checkpointing every block, none or the named ones: the
@@ -144,6 +183,7 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
 
     from zerotrain.engine import build_engine
     from zerotrain.planner.deepspeed_json import deepspeed_config
+    from zerotrain.trainer import train_step
 
     family = families.of(spec)
     config = deepspeed_config(layout, run, topo.world_size)
@@ -156,27 +196,13 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     peaks.end("init")
     side, tokens = run.data.resolution, run.data.text_tokens or family.default_text_tokens
     generator_seed = run.training.seed + topo.rank
-    times: dict[str, list[float]] = {"forward_backward": [], "optimizer": []}
+    laps = PhaseLaps(peaks)
+    feed = RandomFeed(family, spec, layout.micro_batch, side, tokens, device)
     try:
         for step in range(steps + 1):
-            for _ in range(layout.accumulation):  # 1: calibrate measures one micro-batch per step
-                torch.manual_seed(generator_seed + step)
-                inputs = family.example_inputs(spec, layout.micro_batch, side, side, tokens, device, torch.bfloat16)
-                peaks.start()
-                began = time.perf_counter()
-                pred = family.prediction(engine(**inputs, return_dict=False)[0])
-                loss = torch.nn.functional.mse_loss(pred.float(), torch.randn_like(pred, dtype=torch.float32))
-                engine.backward(loss)
-                peaks.end("forward_backward")
-                fb = time.perf_counter() - began
-                peaks.start()
-                began = time.perf_counter()
-                engine.step()
-                peaks.end("optimizer")
-                if step:  # the first step warms up (kernels, CPU Adam's first allocation of its moments)
-                    times["forward_backward"].append(fb)
-                    times["optimizer"].append(time.perf_counter() - began)
-                del inputs, pred, loss
+            torch.manual_seed(generator_seed + step)
+            laps.recording = step > 0  # the first step warms up (kernels, CPU Adam's first allocation of its moments)
+            train_step(engine, feed, layout.accumulation, laps)  # accumulation 1: one micro-batch per step
         rss = host_rss()
     finally:
         engine.destroy()
@@ -188,8 +214,8 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
         "allocated": peaks.allocated, "reserved": peaks.reserved,
         "host_rss_peak": None if rss is None or floor is None else rss[1] - floor[0],
         "host_rss_floor": None if floor is None else floor[0],  # what earlier configurations left behind
-        "forward_backward_s": statistics.median(times["forward_backward"]),
-        "optimizer_s": statistics.median(times["optimizer"]),
+        "forward_backward_s": statistics.median(laps.times["forward_backward"]),
+        "optimizer_s": statistics.median(laps.times["optimizer"]),
     }
 
 
@@ -380,21 +406,18 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
 
     from zerotrain.distributed import barrier, gather_objects
     from zerotrain.engine import cpu_adam_unavailable
-    from zerotrain.hardware import hardware_facts
     from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.entry import plan_for_run
     from zerotrain.planner.measure import measure_model
-    from zerotrain.planner.search import plan
 
     spec = reduced_spec(resolve_model(run.model), args.blocks)
     family = families.of(spec).name
-    hw = hardware_facts(run.hardware)
-    per_node = topo.world_size // run.hardware.nodes or 1
-    hw = dataclasses.replace(hw, gpus_per_node=per_node, nodes=topo.world_size // per_node)
     run = run.model_copy(update={"training": run.training.model_copy(update={
         "global_batch_size": max(run.training.global_batch_size // topo.world_size, 1) * topo.world_size})})
     facts = measure_model(spec, run) if topo.is_main else None
     facts = gather_objects(facts)[0]
-    result = plan(facts, hw, run)
+    planned = plan_for_run(run, spec, topo.world_size, facts=facts, calibrated=False)
+    hw, result = planned.hw, planned.result
     layouts = gather_objects(grid(result, args.grid))[0]  # every rank measures rank 0's list, in its order
     no_cpu_adam = cpu_adam_unavailable() if any(layout.offload_optimizer == "cpu" for layout in layouts) else None
     rows = []

@@ -48,8 +48,7 @@ import torch
 from zerotrain import deepspeed_compat
 from zerotrain.distributed import Topology, accelerator, all_ok, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
-from zerotrain.optimizers import name_of
-from zerotrain.planner.memory import CLIENT_OPTIMIZERS
+from zerotrain.optimizers import CLIENT_OPTIMIZERS, name_of
 
 LATEST = "latest"
 STATE = "zerotrain_state.json"

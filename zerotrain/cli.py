@@ -99,45 +99,37 @@ def reproducible_command(argv: list[str]) -> str:
 
 def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from zerotrain import families
-    from zerotrain.hardware import hardware_facts
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.planner import calibration
-    from zerotrain.planner.deepspeed_json import deepspeed_config, validate, write_config
-    from zerotrain.planner.measure import measure_model
+    from zerotrain.planner.deepspeed_json import validate, write_config
+    from zerotrain.planner.entry import plan_for_run
     from zerotrain.planner.report import base_choices, print_plan, suggestions
-    from zerotrain.planner.search import plan
 
     start = time.perf_counter()
     run = config_from_args(args)
-    hw = hardware_facts(run.hardware)
     spec = resolve_model(run.model)
-    run, hw, calibrated = calibration.apply(run, hw, families.of(spec).name)
-    facts = measure_model(spec, run, cache=not args.no_cache)
-    result = plan(facts, hw, run)
-    if calibrated:
-        result.reasons.insert(3, calibrated)
+    planned = plan_for_run(run, spec, cache=not args.no_cache)
+    run, hw, facts, result, config = planned.run, planned.hw, planned.facts, planned.result, planned.config
     kind = families.of(spec).plan_only(spec)
     if kind is not None:
         result.reasons.append(f"{spec.name} is plan-only: zerotrain cannot cache or train {kind}")
     result.reasons += base_choices(spec, facts, hw, run, result)
     if result.chosen is None:
         result.suggestions = suggestions(spec, facts, hw, run)
-    config = None
-    if result.chosen is not None:
-        config = deepspeed_config(result.chosen.layout, run, hw.world_size)
-        if args.write_config:
-            # DeepSpeed's own check costs a 2 s import; it guards what is written, and tests
-            # run it on every preset.
-            validate(config)
-            # Checkpointing is the run config's, not DeepSpeed's: say what to set beside this file.
-            layout = result.chosen.layout
-            training = {"gradient_checkpointing": layout.gradient_checkpointing}
-            if layout.gradient_checkpointing and result.checkpointed(layout) is not True:
-                training["checkpoint_blocks"] = layout.checkpointed_blocks
-            if layout.offload_activations:
-                training["activation_offload"] = True
-            write_config(config, args.write_config, {"command": reproducible_command(argv), "plan": result.reasons,
-                                                     "training": training})
+    for line in planned.notes:
+        print(f"zerotrain: warning: {line}", file=sys.stderr)
+    if args.write_config and config is not None and result.chosen is not None:
+        # DeepSpeed's own check costs a 2 s import; it guards what is written, and tests
+        # run it on every preset.
+        validate(config)
+        # Checkpointing is the run config's, not DeepSpeed's: say what to set beside this file.
+        layout = result.chosen.layout
+        training = {"gradient_checkpointing": layout.gradient_checkpointing}
+        if layout.gradient_checkpointing and result.checkpointed(layout) is not True:
+            training["checkpoint_blocks"] = layout.checkpointed_blocks
+        if layout.offload_activations:
+            training["activation_offload"] = True
+        write_config(config, args.write_config, {"command": reproducible_command(argv), "plan": result.reasons,
+                                                 "training": training})
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"plan": result.to_json(), "deepspeed_config": config,

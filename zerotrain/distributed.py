@@ -1,16 +1,22 @@
 """Where this process sits in a distributed job, from what the launchers set: torchrun and the
 DeepSpeed launcher (RANK, WORLD_SIZE, LOCAL_RANK), or Slurm's srun (SLURM_PROCID, SLURM_NTASKS,
-SLURM_LOCALID). Nothing else in zerotrain reads these variables."""
+SLURM_LOCALID), and the rendezvous a plain `python zerotrain/train.py` lacks. zerotrain's other
+modules ask this one: doctor compares its launcher view (local_world_size) with the GPUs, and
+launch.py writes these variables into the commands and scripts it generates for the launchers."""
 
 from __future__ import annotations
 
 import functools
 import gc
 import os
-from collections.abc import Mapping, MutableMapping
+import socket
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
+
+from zerotrain.errors import ZerotrainError
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,27 @@ def topology(environ: Mapping[str, str] | None = None) -> Topology:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return Topology(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
     return Topology(0, 1, 0)
+
+
+def local_world_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """Processes on this node, as torchrun (LOCAL_WORLD_SIZE) or Open MPI (LOCAL_SIZE) say; None when
+    no launcher says."""
+    env = os.environ if environ is None else environ
+    value = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
+    return int(value) if value else None
+
+
+def standalone_rendezvous() -> None:
+    """A plain `python zerotrain/train.py` has no launcher: act as a one-process launcher and
+    set the rendezvous variables one would set, on a free local port (otherwise DeepSpeed falls
+    back to MPI discovery)."""
+    if "MASTER_ADDR" in os.environ:
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"})
 
 
 def slurm_rendezvous(environ: MutableMapping[str, str] | None = None) -> None:
@@ -113,6 +140,33 @@ def gather_objects(value: object) -> list[object]:
     out: list[object] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, value)
     return out
+
+
+T = TypeVar("T")
+
+
+def from_rank0(compute: Callable[..., T], topo: Topology, *args: Any) -> T:
+    """compute(*args) on rank 0, its result broadcast to every rank (so every rank uses the same
+    plan even when nodes report different free memory). An error on rank 0 is raised on every rank:
+    rank 0's own, and a ZerotrainError naming it on the others."""
+    outcome: object = None
+    error: Exception | None = None
+    if topo.is_main:
+        try:
+            outcome = compute(*args)
+        except Exception as err:  # noqa: BLE001 - the other ranks must not wait for a result that will not come
+            error = err
+            outcome = err if isinstance(err, ZerotrainError) else ZerotrainError(
+                f"{getattr(compute, '__name__', 'a step')} failed on rank 0: {err}")
+    if torch.distributed.is_initialized() and topo.world_size > 1:
+        box = [outcome]
+        torch.distributed.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if error is not None:
+        raise error
+    if isinstance(outcome, ZerotrainError):
+        raise outcome
+    return outcome  # type: ignore[return-value]
 
 
 def agree(values: list[float]) -> list[float]:

@@ -60,9 +60,6 @@ SHM_PER_WORKER = 1 * GiB
 # NCCL's shared-memory transport between the ranks of a node; below 512 MiB DeepSpeed's own ds_report
 # warns, and NCCL fails with "unhandled system error" when a segment cannot be created.
 SHM_FOR_NCCL = 512 * MiB
-# Bytes a checkpoint holds per trainable parameter: the bf16 module weights (2), the fp32 master copy
-# (4) and AdamW's two fp32 moments (8); frozen weights are not saved (exclude_frozen_parameters).
-CHECKPOINT_BYTES_PER_PARAM = 2 + 4 + 8
 # An EMA adds an fp32 copy of the trainable weights to each checkpoint (ema.py).
 EMA_BYTES_PER_PARAM = 4
 # GPU memory another process may hold before the doctor mentions it when there is no plan to compare
@@ -206,12 +203,14 @@ class Context:
             return Missing(str(err))
 
     def plan_for(self, hw: HardwareFacts) -> Any:
-        from zerotrain.planner.search import plan
+        """The plan `zerotrain plan` and train.py make for this run on `hw` (planner.entry.plan_for_run:
+        the calibration applied, a given DeepSpeed config evaluated)."""
+        from zerotrain.planner.entry import plan_for_run
 
         if isinstance(self.facts, Missing):
             return self.facts
         try:
-            return plan(self.facts, hw, self.run)
+            return plan_for_run(self.run, self.spec, hw=hw, facts=self.facts).result
         except ZerotrainError as err:
             return Missing(str(err))
 
@@ -230,7 +229,9 @@ class Context:
     def ranks_per_node(self) -> int:
         if not isinstance(self.hardware, Missing):
             return self.hardware.gpus_per_node
-        return int(self.environ.get("LOCAL_WORLD_SIZE") or self.environ.get("LOCAL_SIZE") or 1)
+        from zerotrain.distributed import local_world_size  # imports torch: only when asked
+
+        return local_world_size(self.environ) or 1
 
 
 CheckFunction = Callable[[Context], Finding]
@@ -349,7 +350,9 @@ def _needed_ops(layout: Any) -> dict[str, str]:
     accelerator and DeepSpeedCPUAdam when the optimizer is offloaded (engine.get_optimizer_configuration);
     NVMe offload swaps through async_io. A client optimizer (adamw-8bit, adafactor) needs none:
     bitsandbytes and transformers bring their own."""
-    if layout.optimizer in ("adamw-8bit", "adafactor"):
+    from zerotrain import optimizers
+
+    if optimizers.get(layout.optimizer).client:
         needed = {}
     elif layout.offload_optimizer == "none":
         needed = {"fused_adam": "AdamW on the accelerator"}
@@ -465,8 +468,10 @@ def check_gpus(ctx: Context) -> Finding:
                                         f"{len(visible)}",
                                 "check CUDA_VISIBLE_DEVICES and that torch and NVML talk to the same driver "
                                 "(nvidia-smi)"))
-    local = ctx.environ.get("LOCAL_WORLD_SIZE") or ctx.environ.get("LOCAL_SIZE")
-    if local and local.isdigit() and int(local) > len(visible):
+    from zerotrain.distributed import local_world_size
+
+    local = local_world_size(ctx.environ)
+    if local and local > len(visible):
         problems.append(Finding("fail", f"the launcher starts {local} processes on this node but {len(visible)} "
                                         "GPU(s) are visible; the extra ranks fail with 'invalid device ordinal'",
                                 f"start one process per visible GPU (torchrun --nproc_per_node {len(visible)}, "
@@ -799,8 +804,15 @@ def _checkpoint_bytes(ctx: Context) -> int | None:
     facts = ctx.facts
     if isinstance(facts, Missing):
         return None
-    per_param = CHECKPOINT_BYTES_PER_PARAM + (EMA_BYTES_PER_PARAM if ctx.run.ema.enabled else 0)
-    return per_param * facts.trainable_params
+    # the bf16 weights, the master and the optimizer's state of the optimizer the plan trains with;
+    # frozen weights are not saved (exclude_frozen_parameters)
+    from zerotrain import optimizers
+
+    plan = ctx.plan
+    name = plan.chosen.layout.optimizer if not isinstance(plan, Missing) and plan.chosen else \
+        ctx.run.optimizer.name if ctx.run.optimizer.name != "auto" else ctx.run.planner.optimizers[0]
+    per_param = optimizers.get(name).checkpoint_bytes_per_param() + (EMA_BYTES_PER_PARAM if ctx.run.ema.enabled else 0)
+    return int(per_param * facts.trainable_params)
 
 
 @check("output")

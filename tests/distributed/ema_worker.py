@@ -91,8 +91,10 @@ def main() -> int:
     from zerotrain.engine import apply_mode, build_engine, load_denoiser
     from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
+    from zerotrain.monitor import StepTimes
     from zerotrain.planner.deepspeed_json import deepspeed_config
     from zerotrain.planner.memory import Layout
+    from zerotrain.trainer import train_step
 
     deepspeed.init_distributed(dist_backend="gloo")
     topo = topology()
@@ -126,13 +128,11 @@ def main() -> int:
         reference = full_masters(engine)
         result["losses"] = [[] for _ in engines]
         for step in range(1, steps + 1):
-            for _ in range(layout.accumulation):
-                inputs = example_inputs(spec, 1, 64, 64, 8, "cpu", torch.bfloat16)
-                for held, each in zip(result["losses"], engines, strict=True):
-                    loss = each(**inputs, return_dict=False)[0].float().pow(2).mean()
-                    each.backward(loss)
-                    each.step()
-                    held.append(loss.item())
+            batch = [example_inputs(spec, 1, 64, 64, 8, "cpu", torch.bfloat16) for _ in range(layout.accumulation)]
+            for held, each in zip(result["losses"], engines, strict=True):  # zerotrain's own train_step
+                mean = train_step(each, lambda i, batch=batch: (batch[i], lambda out: out.float().pow(2).mean()),
+                                  layout.accumulation, StepTimes())
+                held.append(mean.item())
             assert engine.global_steps == step
             ema.update(step)
             masters = full_masters(engine)

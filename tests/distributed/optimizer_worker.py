@@ -38,8 +38,10 @@ def main() -> int:
     from zerotrain.engine import apply_mode, build_engine, cpu_adam_unavailable, load_denoiser
     from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
+    from zerotrain.monitor import StepTimes
     from zerotrain.planner.deepspeed_json import deepspeed_config
     from zerotrain.planner.memory import Layout
+    from zerotrain.trainer import train_step
 
     deepspeed.init_distributed(dist_backend="gloo")
     topo = topology()
@@ -67,18 +69,14 @@ def main() -> int:
                             sharing=own_buffers), accumulation
 
     def train(engine: Any, accumulation: int, steps: int, save: Path | None = None) -> list[float]:
+        """`steps` optimizer steps through zerotrain's own train_step, on one fixed batch."""
         torch.manual_seed(100 + topo.rank)  # each rank its own sample, the same for every case
         inputs = example_inputs(spec, 1, 64, 64, 8, "cpu", torch.bfloat16)
         target = torch.randn_like(inputs["hidden_states"], dtype=torch.float32)
         out = []
-        for _ in range(steps * accumulation):
-            prediction = engine(**inputs, return_dict=False)[0]
-            loss = F.mse_loss(prediction.float(), target)
-            engine.backward(loss)
-            engine.step()
-            if engine.micro_steps % accumulation:
-                continue
-            mean = loss.detach().clone()
+        for _ in range(steps):
+            mean = train_step(engine, lambda _: (inputs, lambda pred: F.mse_loss(pred.float(), target)),
+                              accumulation, StepTimes())
             torch.distributed.all_reduce(mean)
             out.append(mean.item() / topo.world_size)
             if save is not None and len(out) == STEPS // 2:

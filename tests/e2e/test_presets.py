@@ -34,3 +34,34 @@ def test_presets_do_not_drift(tmp_path, capsys):
 def test_examples_plan(example, capsys):
     assert main(["plan", "--config", str(example), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["chosen"] is not None
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_used_as_given_fits_with_the_settings_it_was_written_for(name):
+    """Each preset as `deepspeed: <file>` through the path train.py plans with (train.plan_run, on the
+    world size of the preset's GPUs): its "_zerotrain" header's training settings apply, and the
+    planner's evaluation of the file fits with them, in the layout the preset was written for."""
+    from zerotrain.cli import build_parser
+    from zerotrain.config.flags import config_from_args
+    from zerotrain.distributed import Topology
+    from zerotrain.hardware import hardware_facts
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.train import plan_run
+
+    path = ROOT / name
+    preset = json.loads(path.read_text())
+    args = build_parser().parse_args(["plan", *PRESETS[name], "--set", f"deepspeed={path}"])
+    run = config_from_args(args)
+    world = hardware_facts(run.hardware).world_size
+    planned = plan_run(run, resolve_model(run.model), Topology(0, world, 0))
+    assert planned.result.given is not None and planned.used.fits, planned.used.rejected
+    header = preset["_zerotrain"]["training"]
+    layout = planned.layout
+    assert layout.gradient_checkpointing == header["gradient_checkpointing"]
+    assert layout.offload_activations == header.get("activation_offload", False)
+    if "checkpoint_blocks" in header:
+        assert layout.checkpointed_blocks == header["checkpoint_blocks"]
+    zero = preset["zero_optimization"]
+    assert layout.stage == zero["stage"]
+    assert layout.micro_batch == preset["train_micro_batch_size_per_gpu"]
+    assert planned.notes == []

@@ -110,3 +110,28 @@ def test_the_star_grid_has_one_order_in_every_process():
                              cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
               for seed in range(4)}
     assert len(orders) == 1, orders
+
+
+def test_plan_and_doctor_agree_with_a_calibration_present(tmp_path, monkeypatch, capsys):
+    """One planning path (planner.entry.plan_for_run): `zerotrain plan` and `zerotrain doctor` make
+    the same plan from the same config with the GPU profile's calibration, and the calibration
+    changes it (so the agreement is not the uncalibrated plan twice)."""
+    from zerotrain import doctor
+    from zerotrain.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    flags = ["--model", "flux-dev", "--resolution", "1024", "--gpus", "1xH100-80GB", "--mode", "lora",
+             "--global-batch", "8"]
+    assert main(["plan", *flags, "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)["plan"]["chosen"]
+    write(calibration.default_path("H100-80GB"), {"fragmentation": 0.45, "cuda_context_bytes": 3 * 2**30})
+    assert main(["plan", *flags, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["plan"]
+    assert any(line.startswith("Calibrated on") for line in planned["reasons"])
+    chosen = planned["chosen"]
+    assert chosen["layout"] != before["layout"] or chosen["memory"] != before["memory"]
+    run = load_config(None, ["model.name_or_path=flux-dev", "data.resolution=1024", "hardware.gpus=1xH100-80GB",
+                             "training.mode=lora", "training.global_batch_size=8"])
+    from_doctor = doctor.Context(run, environ={}).plan
+    assert from_doctor.chosen.to_json()["layout"] == chosen["layout"]
+    assert from_doctor.chosen.memory.device_total == chosen["memory"]["device_total"]

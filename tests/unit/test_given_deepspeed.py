@@ -138,21 +138,45 @@ def test_bad_given_files_are_one_line_errors(tmp_path, content, message):
 
 
 @pytest.mark.parametrize(("gpu_memory", "warns"), [("40MiB", True), ("64GiB", False)])
-def test_a_given_config_predicted_not_to_fit_warns(tmp_path, capsys, gpu_memory, warns):
+def test_a_given_config_predicted_not_to_fit_warns(tmp_path, gpu_memory, warns):
     from zerotrain.distributed import Topology
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.train import plan_deepspeed
+    from zerotrain.train import plan_run
 
     given = {"zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": 1}
     run = run_with(f"deepspeed={json.dumps(given)}", f"hardware.gpu_memory={gpu_memory}",
                    f"planner.cache_dir={tmp_path}", global_batch=2)
-    config, result, layout, _ = plan_deepspeed(run, resolve_model(run.model), Topology(0, 1, 0))
+    planned = plan_run(run, resolve_model(run.model), Topology(0, 1, 0))
+    config, result, layout = planned.config, planned.result, planned.layout
     assert (layout.stage, layout.micro_batch, layout.accumulation) == (0, 1, 2)
     assert config["gradient_accumulation_steps"] == 2 and result.given.layout == layout
     assert result.to_json()["given"]["fits"] is not warns
-    err = capsys.readouterr().err
     if warns:
-        assert "zerotrain: warning: deepspeed (inline) is predicted not to fit: ZeRO-0" in err
-        assert "training with it as given" in err
+        assert planned.notes[0].startswith("deepspeed (inline) is predicted not to fit: ZeRO-0")
+        assert "training with it as given" in planned.notes[0]
     else:
-        assert "warning" not in err and not layout.gradient_checkpointing  # fits without recomputation
+        assert not planned.notes and not layout.gradient_checkpointing  # fits without recomputation
+
+
+def test_a_written_configs_header_applies_unless_the_run_config_says_otherwise(tmp_path):
+    """--write-config records the plan's checkpointing in "_zerotrain": a run given the file trains
+    with it; a training field the run config sets itself wins, with one line saying so."""
+    from zerotrain.distributed import Topology
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.train import plan_run
+
+    given = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1,
+             "_zerotrain": {"training": {"gradient_checkpointing": True, "checkpoint_blocks": 1}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(given))
+    run = run_with(f"deepspeed={path}", f"planner.cache_dir={tmp_path}", global_batch=2)
+    planned = plan_run(run, resolve_model(run.model), Topology(0, 1, 0))
+    assert planned.run.training.checkpoint_blocks == 1 and planned.run.training.gradient_checkpointing is True
+    assert planned.layout.gradient_checkpointing and planned.layout.checkpointed_blocks == 1
+    assert planned.notes == []
+    run = run_with(f"deepspeed={path}", f"planner.cache_dir={tmp_path}", "training.gradient_checkpointing=false",
+                   global_batch=2)
+    planned = plan_run(run, resolve_model(run.model), Topology(0, 1, 0))
+    assert not planned.layout.gradient_checkpointing
+    assert planned.notes == [(f"deepspeed={path} was written for training.gradient_checkpointing=True; the run "
+                             "config's training.gradient_checkpointing=False is used")]

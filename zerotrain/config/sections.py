@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zerotrain.optimizers import OPTIMIZERS
+
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _BYTE_UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -216,7 +218,7 @@ class ObjectiveConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["adamw", "adamw-bf16", "adamw-8bit", "adafactor", "auto"] = "adamw"
+    name: Literal[(*OPTIMIZERS, "auto")] = "adamw"  # type: ignore[valid-type]
     """adamw: DeepSpeed's AdamW with fp32 master weights and moments (16 bytes per trainable
     parameter with the bf16 weights and gradients). The others keep DeepSpeed's bf16 master weights
     and gradients (bf16.bf16_master_weights_and_grads, bf16_optimizer_states; ZeRO 1-3 only) with
@@ -290,8 +292,8 @@ class PlannerConfig(_Section):
     (zero_hpz_partition_size; exact); hpz-qwz-qgz also all-gathers int8 weights and reduces int4
     gradients across nodes (zero_quantized_weights, zero_quantized_gradients; CUDA kernels only),
     which changes numerics, so it is chosen only when listed here."""
-    optimizers: list[Literal["adamw", "adamw-bf16", "adamw-8bit", "adafactor"]] = [
-        "adamw", "adamw-bf16", "adamw-8bit", "adafactor"]
+    optimizers: list[Literal[tuple(OPTIMIZERS)]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(OPTIMIZERS))
     """What optimizer.name auto may choose, in order of preference: the planner takes a later one
     only where no earlier one fits within 5% of the fastest candidate's speed (the others change
     numerics)."""

@@ -13,8 +13,8 @@ from typing import Any
 
 from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.optimizers import client_settings
-from zerotrain.planner.memory import CLIENT_OPTIMIZERS, Layout
+from zerotrain.optimizers import CLIENT_OPTIMIZERS, client_settings, deepspeed_adamw
+from zerotrain.planner.memory import Layout
 
 
 def deepspeed_config(layout: Layout, run: RunConfig, world_size: int) -> dict[str, Any]:
@@ -212,7 +212,7 @@ def complete_given(given: dict[str, Any], source: str, run: RunConfig, world_siz
             f"{source}: {total} images per step (micro {micro} x accumulation {accumulation} x {world_size} "
             f"processes), but training.global_batch_size is {run.training.global_batch_size}; make them agree")
     config.update(dict(zip(BATCH_KEYS, (total, micro, accumulation))))
-    name = run.optimizer.name if run.optimizer.name in CLIENT_OPTIMIZERS else "adamw"
+    name = run.optimizer.name if run.optimizer.name in CLIENT_OPTIMIZERS else deepspeed_adamw(bf16_masters=False)
     if name in CLIENT_OPTIMIZERS and "optimizer" in config:
         raise ZerotrainError(f"{source} has an optimizer section, and optimizer.name={name} asks for an optimizer "
                              "zerotrain builds: remove the section, or set optimizer.name to adamw")
@@ -247,7 +247,7 @@ def layout_of(config: dict[str, Any], gradient_checkpointing: bool) -> Layout:
 
     bf16 = config.get("bf16") if isinstance(config.get("bf16"), dict) else {}
     optimizer = client_optimizer_of(config) or (
-        "adamw-bf16" if bf16.get("bf16_master_weights_and_grads") is True else "adamw")
+        deepspeed_adamw(bf16_masters=bf16.get("bf16_master_weights_and_grads") is True))
     return Layout(int(zero.get("stage", 0)), device("offload_optimizer"), device("offload_param"),
                   gradient_checkpointing, config["train_micro_batch_size_per_gpu"],
                   config["gradient_accumulation_steps"], optimizer=optimizer)

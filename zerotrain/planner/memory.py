@@ -14,31 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zerotrain import optimizers
+
 LP = 2  # bf16 parameter / gradient element
 FP32 = 4  # fp32 master weight / gradient element
-ADAM = 8  # AdamW exp_avg + exp_avg_sq, fp32 each
-# The optimizers (optimizer.name): adamw and adamw-bf16 are DeepSpeed's own AdamW (FusedAdam, or
-# DeepSpeedCPUAdam when offloaded); the others are client optimizers zerotrain builds and hands
-# to deepspeed.initialize (zerotrain/optimizers.py). All but adamw keep bf16 master weights.
-CLIENT_OPTIMIZERS = ("adamw-8bit", "adafactor")
-# bitsandbytes' 8-bit AdamW (optim/optimizer.py Optimizer8bit, functional.py, 0.50): each moment is
-# one uint8 per element with one fp32 absmax per block of 256 elements (blockwise quantization) and
-# a 256-entry fp32 code book (qmap); a tensor of fewer than min_8bit_size = 4096 elements keeps
-# fp32 moments instead.
-BNB_BLOCK = 256
-BNB_MIN_8BIT = 4096
-BNB_QMAP = 256 * FP32
-# Bytes one optimizer step reads and writes per trainable parameter on the GPU (its time term,
-# memory-bandwidth bound), counted from each implementation:
-# - adamw: FusedAdam reads the fp32 gradient, master and two moments and writes the master and
-#   moments (28); DeepSpeed then copies the master into the bf16 parameter (4 + 2).
-# - adamw-bf16: the same in bf16 (14), then the copy (2 + 2).
-# - adamw-8bit: bitsandbytes' fused kernel reads the bf16 gradient and master and the two uint8
-#   moments and writes master and moments (10), then the copy (4).
-# - adafactor: transformers' Adafactor.step runs unfused on fp32 copies, about 24 passes of 4 bytes
-#   over the partition (grad.float(), p.float(), the two RMS, grad**2 + eps, the moment update,
-#   rsqrt, the clip, lr, weight decay, the update, the copy back), then the copy (4).
-STEP_BYTES = {"adamw": 34, "adamw-bf16": 18, "adamw-8bit": 14, "adafactor": 100}
+# The optimizers (optimizer.name) are zerotrain.optimizers' registry: what each keeps per element
+# (master_element, state_bytes), what its step moves (step_bytes) and allocates (step_transient).
 # Without ZeRO, DeepSpeed all-reduces the gradients in buckets of this many elements whatever the
 # config's reduce_bucket_size (engine.py: MEMORY_OPT_ALLREDUCE_SIZE, the default bucket_size of
 # allreduce_gradients).
@@ -78,7 +59,7 @@ class Layout:
 
     @property
     def bf16_masters(self) -> bool:
-        return self.optimizer != "adamw"
+        return optimizers.get(self.optimizer).bf16_masters
 
     def label(self) -> str:
         parts = [f"ZeRO-{self.stage}"]
@@ -149,32 +130,19 @@ class Buffers:
 def master_element(layout: Layout) -> int:
     """Bytes of one master weight (and of its gradient at the step): fp32, or bf16 with every
     optimizer but adamw (DeepSpeed's master_weights_and_grads_dtype)."""
-    return LP if layout.bf16_masters else FP32
+    return optimizers.get(layout.optimizer).master_element
 
 
 def moment_bytes(layout: Layout) -> int:
-    """DeepSpeed's AdamW's two moments per trainable parameter: fp32 each, or bf16 with adamw-bf16
-    (the basic optimizer allocates them like the master; offloaded, DeepSpeed builds
-    DeepSpeedCPUAdam with fp32_optimizer_states=False, engine.get_optimizer_configuration). Only
-    these two optimizers are ever offloaded (search.layouts)."""
-    return 2 * LP if layout.bf16_masters else ADAM
+    """DeepSpeed's AdamW's two moments per trainable parameter (optimizers.Optimizer.state_bytes):
+    only adamw and adamw-bf16 are ever offloaded (search.layouts)."""
+    return optimizers.get(layout.optimizer).state_bytes(1)
 
 
 def state_bytes(layout: Layout, numel: int) -> int:
-    """The optimizer state of one tensor of `numel` elements, as the optimizer allocates it.
-    - adamw, adamw-bf16: exp_avg and exp_avg_sq like the master (moment_bytes).
-    - adamw-8bit: bitsandbytes' state1 and state2 (uint8) with their absmax (fp32 per BNB_BLOCK
-      elements) and qmap; fp32 moments below BNB_MIN_8BIT elements.
-    - adafactor: the flat partitions DeepSpeed hands it are 1-D, so transformers' Adafactor keeps
-      the unfactored exp_avg_sq, fp32 (zeros_like the fp32 gradient), and a 0-d RMS; with beta1
-      None (zerotrain's setting, as the paper's) there is no first moment."""
-    if layout.optimizer == "adamw-8bit":
-        if numel < BNB_MIN_8BIT:
-            return ADAM * numel
-        return 2 * (numel + FP32 * -(-numel // BNB_BLOCK) + BNB_QMAP)
-    if layout.optimizer == "adafactor":
-        return FP32 * numel
-    return moment_bytes(layout) * numel
+    """The optimizer state of one tensor of `numel` elements, as the optimizer allocates it
+    (optimizers.Optimizer.state_bytes and its subclasses)."""
+    return optimizers.get(layout.optimizer).state_bytes(numel)
 
 
 def optimizer_tensors(layout: Layout, s: Sizes, b: Buffers) -> tuple[int, ...]:
@@ -193,9 +161,9 @@ def step_transient(layout: Layout, s: Sizes, b: Buffers) -> int:
     largest tensor it steps: the gradient (grad.float()), the master (p.float()), update =
     grad**2 + eps and exp_avg_sq.rsqrt() beside it before the old update is dropped: 4 x FP32 per
     element."""
-    if layout.optimizer != "adafactor" or layout.offload_optimizer != "none":
+    if layout.offload_optimizer != "none":
         return 0
-    return 4 * FP32 * max(optimizer_tensors(layout, s, b))
+    return optimizers.get(layout.optimizer).step_transient(max(optimizer_tensors(layout, s, b)))
 
 
 def lp_params(layout: Layout, s: Sizes) -> int:

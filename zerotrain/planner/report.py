@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from zerotrain import optimizers
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
@@ -154,27 +155,16 @@ def base_choices(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: Run
     return lines
 
 
-# The optimizers (optimizer.name; OptimizerConfig) in planner.optimizers' order of preference, with
-# their bytes per trainable parameter (bf16 weights and gradients included) and what each changes in
-# the numerics against fp32 AdamW.
-OPTIMIZER_MEMORY = {
-    "adamw": (16, "fp32 master weights and moments"),
-    "adamw-bf16": (10, "bf16 master weights and moments instead of fp32"),
-    "adamw-8bit": (8, "bf16 master weights and 8-bit moments instead of fp32; resumes on the same GPU count only"),
-    "adafactor": (10, "bf16 masters and no first moment instead of fp32 AdamW; resumes on the same GPU count only"),
-}
-
-
 def suggest_optimizer(spec: ModelSpec, hw: HardwareFacts, run: RunConfig) -> str | None:
     """The first optimizer, in planner.optimizers' default order, that needs less memory than those
     the plan tried and with which something fits; it changes numerics, so the line says how."""
     tried = list(run.planner.optimizers) if run.optimizer.name == "auto" else [run.optimizer.name]
-    least = min(OPTIMIZER_MEMORY[name][0] for name in tried)
-    for name, (per_param, numerics) in OPTIMIZER_MEMORY.items():
-        if name in tried or per_param >= least:
+    least = min(optimizers.get(name).training_bytes_per_param() for name in tried)
+    for name, kind in optimizers.OPTIMIZERS.items():
+        if name in tried or kind.training_bytes_per_param() >= least:
             continue
         if _fits_with(spec, hw, run, {"optimizer.name": name}):
-            return f"a lower-memory optimizer ({numerics}): --set optimizer.name={name}"
+            return f"a lower-memory optimizer ({kind.numerics}): --set optimizer.name={name}"
     return None
 
 

@@ -13,15 +13,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerotrain import optimizers
 from zerotrain.config.sections import Quantization, RunConfig
 from zerotrain.deepspeed_compat import sharing_in_force
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
 from zerotrain.planner.facts import ModelFacts
 from zerotrain.planner.memory import (
-    CLIENT_OPTIMIZERS,
     LP,
-    STEP_BYTES,
     Buffers,
     Layout,
     MemoryEstimate,
@@ -165,7 +164,7 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
         micros = [m for m in range(1, min(per_rank_batch, run.planner.max_micro_batch) + 1) if per_rank_batch % m == 0]
     else:
         micros = [training.micro_batch_size]
-    optimizers = run.planner.optimizers if run.optimizer.name == "auto" else [run.optimizer.name]
+    names = run.planner.optimizers if run.optimizer.name == "auto" else [run.optimizer.name]
     # ZeRO++ splits ZeRO-3's traffic between the node and the network: several nodes only.
     zeropp = run.planner.zeropp if hw.nodes > 1 and hw.gpus_per_node > 1 else ["none"]
     return [
@@ -173,8 +172,8 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
         for stage, options in offloads.items() for opt, param in options
         for gc, blocks, act in checkpointing for micro in micros
         # bf16 masters need ZeRO 1-3; the client optimizers step on the GPU (zerotrain/optimizers.py)
-        for optimizer in optimizers if (stage > 0 or optimizer == "adamw")
-        and (opt == "none" or optimizer not in CLIENT_OPTIMIZERS)
+        for optimizer in names if (stage > 0 or not optimizers.get(optimizer).needs_zero)
+        and (opt == "none" or not optimizers.get(optimizer).client)
         for plus in (zeropp if stage == 3 else ["none"])
     ]
 
@@ -231,9 +230,9 @@ def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, ru
         terms = {"compute": compute, "communication": traffic / bandwidth if n > 1 else 0.0}
     per_rank = s.trainable_params / n
     if layout.offload_optimizer == "none":
-        # the optimizer step on the GPU, bound by memory bandwidth (memory.STEP_BYTES)
+        # the optimizer step on the GPU, bound by memory bandwidth (optimizers.Optimizer.step_bytes)
         stepped = s.trainable_params / (1 if layout.stage == 0 else n)
-        terms["optimizer step"] = STEP_BYTES[layout.optimizer] * stepped / hw.memory_bandwidth
+        terms["optimizer step"] = optimizers.get(layout.optimizer).step_bytes * stepped / hw.memory_bandwidth
     else:
         # gradients down every micro-step, updated bf16 parameters up once per step
         terms["offload transfers"] = LP * per_rank * (layout.accumulation + 1) / hw.host_to_device_bandwidth
@@ -507,7 +506,7 @@ def describe(layout: Layout) -> str:
     gc = "checkpointing" if layout.gradient_checkpointing else "no checkpointing"
     if layout.gradient_checkpointing and layout.checkpointed_blocks is not None:
         gc = f"checkpointing {layout.checkpointed_blocks} blocks"
-    if layout.optimizer != "adamw":
+    if layout.bf16_masters:  # fp32 AdamW, the default, goes unnamed
         gc = f"{layout.optimizer}, {gc}"
     if layout.offload_activations:
         gc = f"{gc} with activations offloaded to the CPU"

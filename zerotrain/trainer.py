@@ -1,0 +1,283 @@
+"""The training loop, in parts that each decide their own "when" (after torchtitan's trainer):
+
+- train_step: one optimizer step of `accumulation` micro-batches through a DeepSpeed engine. train.py,
+  `zerotrain calibrate`, benchmarks/step_overhead.py and the distributed test workers all step
+  through it, so that they measure and test the loop users run.
+- DataFeed: the micro-batches of a run (the sampler's epochs, the objective's noising, the
+  injected faults of tests).
+- Checkpointer: when to save (every training.checkpoint_every, at the end, on a stop or after bad
+  steps), and what: each component it is given declares its own state (state_dict /
+  load_state_dict), as the sampler and the step counter do; the EMA writes its own files.
+- BadSteps: the count of skipped steps in a row, and when it ends the run.
+- Trainer: the loop over steps, with the stop signal agreed on by every rank once per step, the
+  validator's images when due, the monitor's lines, and the one-line error of an out-of-memory step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from zerotrain.config.sections import FaultsConfig, RunConfig
+from zerotrain.distributed import Topology
+from zerotrain.errors import ZerotrainError
+from zerotrain.monitor import StepTimes
+
+# What a micro-batch is to train_step: the model's keyword inputs (on the device), and the loss of
+# the model's prediction.
+MicroBatch = tuple[dict[str, Any], Callable[[torch.Tensor], torch.Tensor]]
+
+
+class Laps(Protocol):
+    def lap(self, phase: str) -> None: ...
+
+
+def train_step(engine: Any, next_micro_batch: Callable[[int], MicroBatch], accumulation: int,
+               laps: Laps) -> torch.Tensor:
+    """One optimizer step: `accumulation` micro-batches forward and backward, DeepSpeed stepping at
+    the boundary. laps.lap(phase) is called after each phase (data, forward_backward, optimizer).
+    Returns this rank's mean loss (a detached fp32 scalar)."""
+    losses = []
+    for index in range(accumulation):
+        kwargs, loss_of = next_micro_batch(index)
+        laps.lap("data")
+        pred = engine(**kwargs, return_dict=False)[0]
+        loss = loss_of(pred)
+        engine.backward(loss)
+        losses.append(loss.detach().float())
+        del kwargs, pred, loss  # not held through the next micro-batch's forward
+        laps.lap("forward_backward")
+        engine.step()  # the optimizer step at the accumulation boundary
+        laps.lap("optimizer")
+    return torch.stack(losses).mean()
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """Tensors (also inside dicts, like SDXL's added_cond_kwargs, and lists) moved to the model's
+    device; dtypes are the objective's choice."""
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device) for v in value)
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+class DataFeed:
+    """The run's micro-batches: the loader's batches (a new epoch at an epoch's end, which falls on
+    a step boundary, data/sampler.py), noised by the objective with this rank's generator. The
+    faults config's injections act here: a CUDA out-of-memory error before a step's forward, a
+    non-finite loss on rank 0 (tests)."""
+
+    def __init__(self, loader: Any, sampler: Any, objective: Any, generator: torch.Generator, device: torch.device,
+                 faults: FaultsConfig, is_main: bool):
+        self.loader, self.sampler, self.objective = loader, sampler, objective
+        self.generator, self.device, self.faults, self.is_main = generator, device, faults, is_main
+        self.batches: Iterator[Any] = iter(loader)
+        self.step = 0  # the step being trained, counted from 1
+
+    def __call__(self, index: int) -> MicroBatch:
+        batch = next(self.batches, None)
+        if batch is None:
+            self.sampler.set_epoch(self.sampler.state_dict()["epoch"] + 1)
+            self.batches = iter(self.loader)
+            batch = next(self.batches)
+        inputs = self.objective.prepare(batch, self.generator)
+        if self.step in self.faults.inject_oom_at:  # every rank, as a failed CUDA allocation would
+            raise torch.OutOfMemoryError(f"CUDA out of memory (faults.inject_oom_at, step {self.step})")
+        poison = self.step in self.faults.inject_nan_at and self.is_main and index == 0
+        return to_device(inputs.model_kwargs, self.device), _Loss(self.objective, inputs, self.device, poison)
+
+
+@dataclasses.dataclass
+class _Loss:
+    """The objective's loss of one micro-batch's prediction (non-finite when poisoned)."""
+
+    objective: Any
+    inputs: Any
+    device: torch.device
+    poison: bool
+
+    def __call__(self, pred: torch.Tensor) -> torch.Tensor:
+        inputs = self.inputs
+        loss = self.objective.loss(pred, dataclasses.replace(
+            inputs, target=inputs.target.to(self.device),
+            weights=None if inputs.weights is None else inputs.weights.to(self.device)))
+        # A non-finite loss on any rank makes the reduced gradients of every rank non-finite, and
+        # DeepSpeed skips the step on all of them (tests/distributed/test_bad_gradients.py): no
+        # collective of zerotrain's own is needed per micro-batch.
+        return loss * float("nan") if self.poison else loss
+
+
+class Counter:
+    """The optimizer steps trained, and the images they saw: checkpointed state of the loop."""
+
+    def __init__(self, images_per_step: int):
+        self.step, self.images_per_step = 0, images_per_step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "images": self.step * self.images_per_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Checkpointer:
+    """Saves and restores the engine, every rank's generators, the EMA's files and the state each
+    component declares (checkpoint.save and load; zerotrain_state.json holds the components' states
+    under their names, the step counter's at the top level)."""
+
+    def __init__(self, engine: Any, run: RunConfig, topo: Topology, generators: dict[str, torch.Generator],
+                 components: dict[str, Stateful], ema: Any = None):
+        self.engine, self.run, self.topo, self.generators = engine, run, topo, generators
+        self.components, self.ema = components, ema
+
+    def due(self, step: int) -> bool:
+        return step % self.run.training.checkpoint_every == 0 or step == self.run.training.max_steps
+
+    def save(self, step: int) -> Path:
+        from zerotrain.checkpoint import save
+
+        faults = self.run.faults
+        state = {**self.components["counter"].state_dict(),
+                 **{name: c.state_dict() for name, c in self.components.items() if name != "counter"}}
+        kill = faults.inject_kill.point if faults.inject_kill and faults.inject_kill.step == step else None
+        return save(self.engine, self.run.output_dir, step, self.topo, state, self.generators,
+                    self.run.training.keep_checkpoints, inject_failure=step in faults.inject_save_failure_at,
+                    extra=None if self.ema is None else self._save_ema, kill=kill)
+
+    def _save_ema(self, folder: Path) -> None:
+        self.ema.save(folder, self.topo.rank)
+
+    def restore(self, checkpoint: Path, universal: Path | None) -> list[str]:
+        """Load `checkpoint` into the engine and every component; returns warnings for the log."""
+        from zerotrain.checkpoint import load
+
+        state = load(self.engine, checkpoint, self.topo, self.generators, universal)
+        notes = []
+        if self.ema is not None and any(checkpoint.glob("ema-*.pt")):
+            self.ema.load(checkpoint)
+        elif self.ema is not None:
+            notes.append(f"{checkpoint} holds no EMA (ema was not enabled when it was saved); the EMA starts from "
+                         "the resumed weights")
+        self.components["counter"].load_state_dict(state)
+        for name, component in self.components.items():
+            if name == "counter":
+                continue
+            try:
+                component.load_state_dict(state[name])
+            except ValueError as err:  # the data (or global batch) changed since the checkpoint
+                notes.append(f"{err}; epoch {state[name]['epoch']} starts over with the current data")
+                component.set_epoch(int(state[name]["epoch"]))
+        return notes
+
+
+class BadSteps:
+    """Steps skipped in a row (a non-finite loss or gradient norm); after faults.max_bad_steps the
+    run stops with a checkpoint of the last good weights."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def record(self, skipped: bool) -> bool:
+        """Whether the run must stop after this step."""
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        return self.in_a_row >= self.limit
+
+    def error(self, step: int, saved: Path) -> ZerotrainError:
+        return ZerotrainError(
+            f"{self.in_a_row} consecutive steps (up to step {step}) had a non-finite loss or gradient norm and "
+            f"were skipped; stopped with {saved}, which holds the last good weights. Lower optimizer.lr or check "
+            "the data, then resume (training.resume: auto)")
+
+
+def agree(loss: torch.Tensor, stop_received: bool, topo: Topology, device: torch.device) -> tuple[float, bool]:
+    """One collective per step: the ranks' mean loss, and whether any rank was asked to stop (a
+    signal reaches ranks at different moments; all must stop after the same step)."""
+    totals = torch.stack([loss, torch.tensor(float(stop_received), device=device)])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals)
+    return (totals[0] / topo.world_size).item(), totals[1].item() > 0
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The loop of a built run: one iteration is one optimizer step of `accumulation`
+    micro-batches."""
+
+    engine: Any
+    run: RunConfig
+    topo: Topology
+    device: torch.device
+    feed: DataFeed
+    counter: Counter
+    checkpointer: Checkpointer
+    stop: Any
+    monitor: Any = None
+    """The run's Monitor, made once the start step is known (after a resume)."""
+    validator: Any = None
+    ema: Any = None
+    resumed: bool = False
+
+    def fit(self, accumulation: int) -> bool:
+        """Train to max_steps: True when done, False when a signal stopped the run (after its
+        checkpoint)."""
+        if self.counter.step == 0:
+            self.validate(0)
+        bad = BadSteps(self.run.faults.max_bad_steps)
+        while self.counter.step < self.run.training.max_steps:
+            if not self.one_step(accumulation, bad):
+                return False
+        return True
+
+    def one_step(self, accumulation: int, bad: BadSteps) -> bool:
+        """Train, report and checkpoint one step; False when the run stops after it."""
+        engine, counter, max_steps = self.engine, self.counter, self.run.training.max_steps
+        lr = engine.get_lr()[0]  # this step's learning rate (engine.step() moves the schedule on)
+        times = StepTimes(self.device)
+        self.feed.step = counter.step + 1
+        loss = train_step(engine, self.feed, accumulation, times)
+        self.feed.sampler.advance()
+        counter.step += 1
+        step = counter.step
+        mean_loss, stopping = agree(loss, bool(self.stop.received), self.topo, self.device)
+        skipped = not engine.was_step_applied()
+        grad_norm = engine.get_global_grad_norm()
+        self.monitor.step(step, self.feed.sampler.state_dict()["epoch"], mean_loss, lr,
+                          None if grad_norm is None else float(grad_norm), times, skipped)
+        self.monitor.memory_check(step)
+        if self.ema is not None and not skipped:
+            self.ema.update(step)
+        if bad.record(skipped):
+            raise bad.error(step, self.checkpointer.save(step))
+        saved = self.checkpointer.save(step) if self.checkpointer.due(step) else None
+        if stopping and step < max_steps:
+            saved = saved or self.checkpointer.save(step)
+            if self.topo.is_main:
+                self.monitor.log(f"stopped by {self.stop.received or 'a signal on another rank'} during step "
+                                 f"{step + 1}: checkpoint {saved}; resume with the same command (training.resume: auto)")
+            return False
+        self.validate(step)
+        return True
+
+    def validate(self, step: int) -> None:
+        """Every rank renders its share of the validation images (with the EMA weights if asked)."""
+        from zerotrain.engine import denoiser
+
+        validator = self.validator
+        if validator is None or not validator.due(step, self.run.training.max_steps, resumed=self.resumed):
+            return
+        with self.ema.applied() if self.run.validation.use_ema else contextlib.nullcontext():
+            paths = validator.render(denoiser(self.engine), step, self.run.output_dir, self.monitor.writer)
+        if paths:
+            self.monitor.log(f"validation images of step {step}: {paths[-1].parent}")
