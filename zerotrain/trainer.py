@@ -77,10 +77,14 @@ class DataFeed:
                  faults: FaultsConfig, is_main: bool):
         self.loader, self.sampler, self.objective = loader, sampler, objective
         self.generator, self.device, self.faults, self.is_main = generator, device, faults, is_main
-        self.batches: Iterator[Any] = iter(loader)
+        # The loader's iterator is made at the first micro-batch: making it draws the sampler's
+        # order, which a resume sets first (the sampler's load_state_dict and set_epoch).
+        self.batches: Iterator[Any] | None = None
         self.step = 0  # the step being trained, counted from 1
 
     def __call__(self, index: int) -> MicroBatch:
+        if self.batches is None:
+            self.batches = iter(self.loader)
         batch = next(self.batches, None)
         if batch is None:
             self.sampler.set_epoch(self.sampler.state_dict()["epoch"] + 1)
