@@ -2,27 +2,34 @@
 
     python benchmarks/gpu_suite.py                       # one GPU node, no network: about 30 min on one H100
     python benchmarks/gpu_suite.py --only flux-dev       # one model's cases
+    python benchmarks/gpu_suite.py --plan-only --gpus 1xH100-80GB   # what each case would run, planned here (any machine)
     DS_ACCELERATOR=cpu python benchmarks/gpu_suite.py --tiny   # the whole path on CPU, on tiny-flux (the test)
 
 Each case is one `zerotrain calibrate` process (random weights, no download; a fresh CUDA context
 per case) on a reduced-depth, full-width model at 1024px:
 - flux-dev and sdxl-base, full and LoRA: ZeRO 0-3 x checkpointing on/off x micro-batch 1, 2, 4;
 - the newer families (qwen-image, flux2-dev, z-image, chroma), LoRA: the star around each plan;
-- the memory floor on 4+4-block flux-dev, full fine-tune at ZeRO-2: 0, 2, 4 and 8 of its blocks
-  checkpointed, activation offload, each optimizer (adamw-bf16, adamw-8bit, adafactor) and
-  compiled blocks (the speed-up the plan does not count yet); adamw-bf16 offloaded at ZeRO-3,
-  with and without the parameters;
+- the memory floor on 8-block flux-dev (3 double- and 5 single-stream blocks), full fine-tune at
+  ZeRO-2: 0, 2, 4 and 8 of its blocks checkpointed, activation offload, each optimizer
+  (adamw-bf16, adamw-8bit, adafactor) and compiled blocks (the speed-up the plan does not count
+  yet); adamw-bf16 offloaded at ZeRO-3 on 4-block flux-dev, with and without the parameters;
 - full-depth flux-dev LoRA, and full-depth SDXL full fine-tuning: the plan's choice.
 
 It writes benchmarks/results/gpu-<device>-<date>.json (every case's calibration: predicted and
 measured per configuration, the fitted constants) and a markdown table beside it, and prints the
 worst prediction errors and the configurations that ran out of memory although predicted to fit,
 or ran although predicted not to (refused wrongly). benchmarks/README.md says how to run it on a
-node where the Python packages come in as wheels."""
+node where the Python packages come in as wheels.
+
+--plan-only runs nothing: it plans every case here as calibrate would (the model's facts, the plan,
+calibrate's grid around it, the planner's prediction for each layout) and writes
+plan-<date>.json, so that a case that cannot run (a setting its model refuses) shows before the
+GPU time is spent. tests/distributed/test_gpu_suite.py checks it on CPU."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -51,20 +58,22 @@ def cases(tiny: bool) -> list[dict]:
     for model in ("qwen-image", "flux2-dev", "z-image", "chroma"):
         out.append({"name": f"{model} 2 blocks lora", "limit": 150,
                     "args": ["--model", model, "--blocks", "2", "--mode", "lora", "--grid", "star", *GRID]})
-    # The memory floor (issue 14) on 4+4-block Flux-dev, full fine-tune at ZeRO-2: k = 0, N/4, N/2
-    # and N of its 8 blocks checkpointed, every block with activation offload, each optimizer.
-    floor = ["--model", "flux-dev", "--blocks", "4", "--mode", "full", "--grid", "chosen", "--global-batch", "1",
+    # The memory floor (issue 14) on 8-block Flux-dev (--blocks 8 shares them 3 double + 5 single),
+    # full fine-tune at ZeRO-2: k = 0, N/4, N/2 and N of its 8 blocks checkpointed, every block with
+    # activation offload, each optimizer. (--blocks 4 keeps 1 + 3 blocks, of which 3 checkpointable:
+    # 4/8 and 8/8 were refused there.)
+    floor = ["--model", "flux-dev", "--blocks", "8", "--mode", "full", "--grid", "chosen", "--global-batch", "1",
              "--set", "planner.stages=[2]", "--set", "planner.offload=[none]"]
     for k in (0, 2, 4, 8):
         checkpointing = ["--set", "training.gradient_checkpointing=false"] if k == 0 else \
             ["--set", f"training.checkpoint_blocks={k}"]
-        out.append({"name": f"flux-dev 4 blocks full, {k}/8 checkpointed", "limit": 150, "args": [*floor, *checkpointing]})
-    out.append({"name": "flux-dev 4 blocks full, activation offload", "limit": 150,
+        out.append({"name": f"flux-dev 8 blocks full, {k}/8 checkpointed", "limit": 150, "args": [*floor, *checkpointing]})
+    out.append({"name": "flux-dev 8 blocks full, activation offload", "limit": 150,
                 "args": [*floor, "--set", "training.activation_offload=true", "--set", "training.gradient_checkpointing=true"]})
     for optimizer in ("adamw-bf16", "adamw-8bit", "adafactor"):
-        out.append({"name": f"flux-dev 4 blocks full, {optimizer}", "limit": 150,
+        out.append({"name": f"flux-dev 8 blocks full, {optimizer}", "limit": 150,
                     "args": [*floor, "--set", f"optimizer.name={optimizer}"]})
-    out.append({"name": "flux-dev 4 blocks full, compiled blocks", "limit": 240,
+    out.append({"name": "flux-dev 8 blocks full, compiled blocks", "limit": 240,
                 "args": [*floor, "--set", "training.compile=true"]})
     # adamw-bf16 offloaded at ZeRO-3, with and without the parameters: the host RAM of the shared
     # buffers (deepspeed_compat._zero3_shares_bf16_masters) and the PCIe and CPU-Adam time the plan predicts.
@@ -106,6 +115,50 @@ def run_case(case: dict, workdir: Path, hardware: list[str]) -> dict:
     result = {"name": case["name"], "command": " ".join(command[1:]), "seconds": seconds, "error": error}
     if error is None:
         result["calibration"] = json.loads(out.read_text())
+    return result
+
+
+def plan_case(case: dict, hardware: list[str], workdir: Path) -> dict:
+    """What the case would measure, planned in this process without running it: calibrate's
+    arguments, the model's facts (reduced to --blocks), the plan, calibrate's grid around it, and
+    for each layout the planner's GPU prediction as calibrate records it (one process)."""
+    from zerotrain import calibrate
+    from zerotrain.config.flags import config_from_args
+    from zerotrain.hardware import hardware_facts
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.measure import measure_model
+    from zerotrain.planner.search import describe, evaluate, plan
+
+    parser = argparse.ArgumentParser(prog="zerotrain")
+    calibrate.add_parser(parser.add_subparsers(dest="command"))
+    command = ["calibrate", *case["args"], *hardware, "--set", f"planner.cache_dir={workdir / 'facts'}"]
+    began = time.monotonic()
+    result = {"name": case["name"], "command": " ".join(command), "error": None, "chosen": None, "planned": []}
+    try:
+        args = parser.parse_args(command)
+        run = config_from_args(args)
+        spec = calibrate.reduced_spec(resolve_model(run.model), args.blocks)
+        facts = measure_model(spec, run)
+        hw = hardware_facts(run.hardware)
+        planned = plan(facts, hw, run)
+        result["chosen"] = describe(planned.chosen.layout) if planned.chosen else None
+        for layout in calibrate.grid(planned, args.grid):
+            trial = run.model_copy(update={"training": run.training.model_copy(
+                update={"global_batch_size": layout.micro_batch})})
+            candidate = evaluate(layout, facts, hw, trial)
+            checkpointed = planned.checkpointed(layout)
+            result["planned"].append({
+                "config": describe(layout), "layout": dataclasses.asdict(layout),
+                "checkpointed": checkpointed if isinstance(checkpointed, bool) else list(checkpointed),
+                "predicted": calibrate.prediction(candidate, hw, True), "fits": candidate.fits,
+                "rejected": candidate.rejected})
+    except SystemExit as err:  # argparse refused the arguments (its message is on stderr)
+        result["error"] = f"calibrate's arguments refused (exit {err.code})"
+    except Exception as err:  # noqa: BLE001 - a case that cannot be planned is what --plan-only reports
+        result["error"] = f"{type(err).__name__}: {err}"
+    result["seconds"] = round(time.monotonic() - began, 1)
+    outcome = result["error"] or f"{len(result['planned'])} layouts, chosen: {result['chosen']}"
+    print(f"{case['name']:52s} {result['seconds']:5.1f} s  {outcome}", flush=True)
     return result
 
 
@@ -164,15 +217,22 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and markdown results")
     parser.add_argument("--gpus", default="auto", help="hardware.gpus for every case (default: NVML's)")
     parser.add_argument("--gpu-memory", help="hardware.gpu_memory, with a bare --gpus count")
+    parser.add_argument("--host-memory", help="hardware.host_memory for every case (default: this node's)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="run nothing: plan each case here (give --gpus a profile off the GPU node) and write "
+                             "plan-<date>.json")
     args = parser.parse_args()
-    hardware = ["--gpus", args.gpus] + (["--gpu-memory", args.gpu_memory] if args.gpu_memory else [])
+    hardware = ["--gpus", args.gpus] + (["--gpu-memory", args.gpu_memory] if args.gpu_memory else []) + (
+        ["--host-memory", args.host_memory] if args.host_memory else [])
+    selected = [case for case in cases(args.tiny) if not args.only or args.only in case["name"]]
+    if args.plan_only:
+        return plan_only(selected, hardware, args.out)
     device = device_name()
     stem = f"gpu-{re.sub(r'[^A-Za-z0-9]+', '-', device).strip('-')}-{date.today().isoformat()}"
     args.out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zerotrain-gpu-suite-") as workdir:
-        results = [run_case(case, Path(workdir), hardware) for case in cases(args.tiny)
-                   if not args.only or args.only in case["name"]]
+        results = [run_case(case, Path(workdir), hardware) for case in selected]
     totals = summary(results)
     document = {"device": device, "date": date.today().isoformat(), "seconds": round(time.monotonic() - began, 1),
                 "summary": totals, "cases": results}
@@ -181,6 +241,23 @@ def main() -> int:
     print("\n".join(verdict(totals)))
     print(f"written {args.out / stem}.json and .md in {document['seconds']:.0f} s")
     return 0 if all(r["error"] is None for r in results) else 1
+
+
+def plan_only(selected: list[dict], hardware: list[str], out: Path) -> int:
+    """--plan-only: every case planned here (plan_case), written to plan-<date>.json; 1 if any case
+    cannot be planned."""
+    out.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="zerotrain-gpu-suite-plan-") as workdir:
+        results = [plan_case(case, hardware, Path(workdir)) for case in selected]
+    document = {"plan_only": True, "hardware": " ".join(hardware), "date": date.today().isoformat(),
+                "seconds": round(time.monotonic() - began, 1), "cases": results}
+    path = out / f"plan-{date.today().isoformat()}.json"
+    path.write_text(json.dumps(document, indent=1, default=str))
+    failed = [r["name"] for r in results if r["error"]]
+    print(f"written {path}: {len(results)} cases planned" + (f", {len(failed)} cannot run: {', '.join(failed)}"
+                                                              if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

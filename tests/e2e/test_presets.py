@@ -1,5 +1,9 @@
 """deepspeed_configs/ and examples/ stay true: presets are regenerated through the real CLI and
-compared with what is committed; every example config plans."""
+compared with what is committed; every example config plans.
+
+The presets' tests are regression guards (test_regression_guard_*): what the planner writes and
+predicts today against what it wrote and predicted when the preset was committed. Neither is a
+measurement; a GPU measures the planner in benchmarks/gpu_suite.py."""
 
 import json
 from pathlib import Path
@@ -17,7 +21,9 @@ def facts_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
 
 
-def test_presets_do_not_drift(tmp_path, capsys):
+def test_regression_guard_presets_do_not_drift(tmp_path, capsys):
+    """A regression guard: planner output against a planner target, not a measurement. The committed
+    presets are the planner's own output; a change to the planner that changes one fails here."""
     regenerate(tmp_path)
     capsys.readouterr()
     for name in PRESETS:
@@ -37,10 +43,12 @@ def test_examples_plan(example, capsys):
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-def test_every_preset_used_as_given_fits_with_the_settings_it_was_written_for(name):
-    """Each preset as `deepspeed: <file>` through the path train.py plans with (train.plan_run, on the
-    world size of the preset's GPUs): its "_zerotrain" header's training settings apply, and the
-    planner's evaluation of the file fits with them, in the layout the preset was written for."""
+def test_regression_guard_every_preset_used_as_given_fits_with_the_settings_it_was_written_for(name):
+    """A regression guard: planner output against a planner target, not a measurement ("fits" is
+    the planner's prediction). Each preset as `deepspeed: <file>` through the path train.py plans
+    with (train.plan_run, on the world size of the preset's GPUs): its "_zerotrain" header's
+    training settings apply, and the planner's evaluation of the file fits with them, in the layout
+    the preset was written for."""
     from zerotrain.cli import build_parser
     from zerotrain.config.flags import config_from_args
     from zerotrain.distributed import Topology

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from tests.unit.test_facts import cpu_inputs, real_model, spec_of
 from zerotrain.config import load_config
@@ -18,7 +19,11 @@ from zerotrain.families import of
 STEPS = 3
 
 
-def losses(compile: bool) -> tuple[list[float], list[str]]:
+def losses(compile: bool) -> tuple[list[float], list[str], torch.nn.Module, int]:
+    """The losses of STEPS steps, apply_mode's log lines, the model, and how many distinct graphs
+    torch._dynamo compiled meanwhile."""
+    torch._dynamo.reset()
+    counters.clear()
     spec = spec_of("tiny-flux")
     run = load_config(None, ["model.name_or_path=tiny-flux", "training.mode=full",
                              f"training.compile={str(compile).lower()}"])
@@ -33,14 +38,23 @@ def losses(compile: bool) -> tuple[list[float], list[str]]:
         optimizer.step()
         optimizer.zero_grad()
         out.append(loss.item())
-    return out, done
+    return out, done, model, counters["stats"]["unique_graphs"]
 
 
 def test_compiled_blocks_train_as_the_eager_model():
-    eager, eager_log = losses(False)
-    compiled, compiled_log = losses(True)
+    eager, eager_log, eager_model, eager_graphs = losses(False)
+    compiled, compiled_log, model, graphs = losses(True)
     assert eager_log[-1] == "blocks run eagerly (training.compile=false)"
     assert compiled_log[-1].endswith("FluxTransformerBlock, FluxSingleTransformerBlock"), compiled_log
+    # Compiled for real: every repeated block (and nothing else) calls a torch.compile'd forward
+    # (nn.Module.compile sets _compiled_call_impl), and dynamo traced graphs while training; the
+    # eager model compiled nothing.
+    blocks = {name: type(m).__name__ for name, m in model.named_modules()
+              if type(m).__name__ in ("FluxTransformerBlock", "FluxSingleTransformerBlock")}
+    compiled_modules = {name for name, m in model.named_modules() if m._compiled_call_impl is not None}
+    assert blocks and compiled_modules == set(blocks), (sorted(compiled_modules), sorted(blocks))
+    assert graphs >= 2, f"dynamo compiled {graphs} graphs for the two block classes"
+    assert eager_graphs == 0 and all(m._compiled_call_impl is None for m in eager_model.modules())
     assert compiled[-1] < compiled[0]
     assert compiled == pytest.approx(eager, rel=1e-2), (eager, compiled)
 

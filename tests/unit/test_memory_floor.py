@@ -378,8 +378,10 @@ def test_lora_plans_weigh_streaming_the_base_against_quantizing_it():
     assert choices("hardware.gpus=1xH100-80GB", "hardware.gpu_memory=80GiB")[1] == []
 
 
-def test_flux_dev_full_fits_a_24gb_card_with_128gb_of_host():
-    """Issue 14's stretch target: a full fine-tune of Flux-dev at 1024px on one 24 GB card with
+def test_regression_guard_flux_dev_full_fits_a_24gb_card_with_128gb_of_host():
+    """A regression guard: planner output against a planner target, not a measurement (no GPU has
+    run this layout; a CPU engine's host buffers per parameter: tests/distributed/test_engine_bytes.py).
+    Issue 14's stretch target: a full fine-tune of Flux-dev at 1024px on one 24 GB card with
     128 GB of host RAM. Only ZeRO-3 with the optimizer and the parameters on the host fits the
     GPU; with adamw-bf16 its host buffers are the pinned bf16 partition (which is the master), the
     pinned bf16 gradient partition (which is the master's gradient) and the bf16 moments, 8 bytes

@@ -88,7 +88,10 @@ SAMPLE = [
 
 
 @pytest.mark.parametrize(("name", "training"), SAMPLE, ids=["-".join([n, *t.values()]) for n, t in SAMPLE])
-def test_shipped_facts_equal_a_fresh_trace(name, training, tmp_path):
+def test_regression_guard_shipped_facts_equal_a_fresh_trace(name, training, tmp_path):
+    """A regression guard: planner output against a planner target, not a measurement. The shipped
+    facts are the tracer's own output; this catches a torch, diffusers or tracer change that moves
+    them. (The tracer against real CPU runs: tests/unit/test_facts.py.)"""
     spec = resolve_model(ModelConfig(name_or_path=name))
     run = catalog_run(name, 512, training, tmp_path)
     shipped = measure_model(spec, run)
