@@ -17,7 +17,9 @@ import sys
 import pytest
 import torch
 
-OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder")
+# AsyncIOBuilder (NVMe offload: tests/distributed/test_nvme_offload.py; needs libaio-dev, which .ci/run
+# installs) is the longest, about 12 CPU minutes: last, so that the others are ready first.
+OPS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder")
 _BUILD: list[subprocess.Popen] = []
 
 

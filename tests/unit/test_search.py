@@ -165,3 +165,15 @@ def test_more_gpus_keeps_a_fixed_micro_batch():
     assert plan(big, hw("1xA100-80GB"), run_with(*settings)).chosen is None
     more = suggest_more_gpus(big, hw("1xA100-80GB"), run_with(*settings))
     assert more is not None and more.endswith(f"(global batch {8 * int(more.split()[0])})")
+
+
+def test_activation_offload_true_with_checkpointing_auto_checkpoints_every_block_and_offloads():
+    """training.activation_offload=true alone is not ignored: every candidate checkpoints every block
+    with its inputs offloaded (there was a no-checkpointing option beside them, which won)."""
+    from zerotrain.config import load_config
+    from zerotrain.hardware import hardware_facts
+    from zerotrain.planner.search import layouts
+
+    run = load_config(None, ["hardware.gpus=1xH100-80GB", "training.activation_offload=true"])
+    found = layouts(run, hardware_facts(run.hardware), run.training.global_batch_size)
+    assert found and all(l.gradient_checkpointing and l.offload_activations for l in found)

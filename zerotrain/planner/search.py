@@ -155,7 +155,9 @@ def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layo
     if training.checkpoint_blocks is not None:
         checkpointing = [(True, training.checkpoint_blocks, False)]
     elif training.gradient_checkpointing == "auto":
-        checkpointing = [(False, None, False), *((True, None, act) for act in offload_acts)]
+        # activation_offload=true asks for the offload, which needs every block checkpointed
+        none = [] if training.activation_offload is True else [(False, None, False)]
+        checkpointing = [*none, *((True, None, act) for act in offload_acts)]
     elif training.gradient_checkpointing:
         checkpointing = [(True, None, act) for act in offload_acts]
     else:
