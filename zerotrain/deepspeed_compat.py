@@ -308,9 +308,10 @@ def unshared(optimizer: Any) -> list[tuple[str, int]]:
         partition = zero.fp16_partitioned_groups_flat[i]
         if master.dtype != torch.bfloat16 or partition is None:
             continue
-        on_host = i in host
-        if (not zero.offload_optimizer or (on_host and zero.offload_param)) \
-                and master.data_ptr() != partition.data_ptr():
+        # planner/memory.py master_weights and offload_buffers: the partition is the master on the
+        # GPU (nothing offloaded) and on the host (the optimizer and the parameters offloaded)
+        on_gpu = not zero.offload_optimizer and not zero.offload_param
+        if (on_gpu or (i in host and zero.offload_param)) and master.data_ptr() != partition.data_ptr():
             missed.append((f"bf16 master of sub-group {i}", _nbytes(master)))
     for i, view in _grad_views(zero):
         grad = zero.fp32_partitioned_groups_flat[i].grad
