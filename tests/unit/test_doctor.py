@@ -349,7 +349,12 @@ def test_output_in_a_read_only_folder_fails(tmp_path, no_gpu):
 
 def test_output_disk_space_against_the_checkpoints(tmp_path, no_gpu, monkeypatch):
     run = tiny_run(tmp_path)
-    checkpoint = doctor.CHECKPOINT_BYTES_PER_PARAM * doctor.Context(run).facts.trainable_params
+    from zerotrain import optimizers
+
+    ctx = doctor.Context(run)
+    # the plan's optimizer's bytes per trainable parameter (fp32 AdamW here: weights 2, master 4, moments 8)
+    assert optimizers.get(ctx.plan.chosen.layout.optimizer).checkpoint_bytes_per_param() == 14
+    checkpoint = 14 * ctx.facts.trainable_params
     real = shutil.disk_usage
     for free, verdict in ((checkpoint // 2, "fail"), (2 * checkpoint, "warn"), (100 * checkpoint, "ok")):
         monkeypatch.setattr(shutil, "disk_usage", lambda p, free=free: Usage(10**12, 0, free)
