@@ -150,7 +150,7 @@ def plan_case(case: dict, hardware: list[str], workdir: Path) -> dict:
             result["planned"].append({
                 "config": describe(layout), "layout": dataclasses.asdict(layout),
                 "checkpointed": checkpointed if isinstance(checkpointed, bool) else list(checkpointed),
-                "predicted": calibrate.prediction(candidate, hw, True), "fits": candidate.fits,
+                "predicted": calibrate.prediction(candidate, hw, True, facts), "fits": candidate.fits,
                 "rejected": candidate.rejected})
     except SystemExit as err:  # argparse refused the arguments (its message is on stderr)
         result["error"] = f"calibrate's arguments refused (exit {err.code})"

@@ -40,7 +40,7 @@ from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.planner import calibration
 from zerotrain.planner.memory import Layout
-from zerotrain.planner.search import Candidate, Plan, activations, describe, evaluate
+from zerotrain.planner.search import Candidate, Plan, activations, describe, evaluate, uncheckpointed_bytes
 
 if TYPE_CHECKING:  # torch loads only when calibrate runs: `zerotrain plan` imports this module's parser
     import torch
@@ -181,9 +181,9 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     measured on this rank."""
     import torch
 
+    from zerotrain.distributed import all_ok
     from zerotrain.engine import build_engine
     from zerotrain.planner.deepspeed_json import deepspeed_config
-    from zerotrain.trainer import train_step
 
     family = families.of(spec)
     config = deepspeed_config(layout, run, topo.world_size)
@@ -202,7 +202,9 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
         for step in range(steps + 1):
             torch.manual_seed(generator_seed + step)
             laps.recording = step > 0  # the first step warms up (kernels, CPU Adam's first allocation of its moments)
-            train_step(engine, feed, layout.accumulation, laps)  # accumulation 1: one micro-batch per step
+            failed = one_step(engine, feed, layout.accumulation, laps)  # accumulation 1: one micro-batch per step
+            if not all_ok(failed is None):  # every rank learns of it, and stops measuring this layout
+                raise torch.OutOfMemoryError(failed or "CUDA out of memory on another rank")
         rss = host_rss()
     finally:
         engine.destroy()
@@ -217,6 +219,19 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
         "forward_backward_s": statistics.median(laps.times["forward_backward"]),
         "optimizer_s": statistics.median(laps.times["optimizer"]),
     }
+
+
+def one_step(engine, feed, accumulation: int, laps) -> str | None:
+    """trainer.train_step; the message of an out-of-memory error in it (None: it ran)."""
+    import torch
+
+    from zerotrain.trainer import train_step
+
+    try:
+        train_step(engine, feed, accumulation, laps)
+    except torch.OutOfMemoryError as err:
+        return " ".join(str(err).split())[:200]
+    return None
 
 
 # --- the grid ---------------------------------------------------------------------------------------
@@ -298,12 +313,39 @@ def fit(rows: list[dict], hw, facts, family: str, bandwidth: float | None,
                                                    if on_gpu else 0.0) for r in offloaded)
     if offloaded and seconds > 0:
         constants["cpu_adam_params_per_second"] = round(stepped / seconds, -3)
+    margin = fit_margin(rows, hw) if on_gpu else None
+    if margin is not None:
+        constants["activation_margin"] = margin
     factors = [r["measured"]["host_rss_peak"] / r["predicted"]["host_offload_per_rank"]
                for r in offloaded if on_gpu and r["measured"]["host_rss_peak"] and r["predicted"]["host_offload_per_rank"]]
     if factors:
         constants["host_offload_factor"] = round(statistics.median(factors), 3)
     every = [*calibration.PLANNER_CONSTANTS, "assumed_mfu", "host_to_device_bandwidth"]
     return constants, [name for name in every if name not in constants]
+
+
+def fit_margin(rows: list[dict], hw) -> float | None:
+    """planner.activation_margin from the layouts that keep blocks uncheckpointed: the share of
+    their traced uncheckpointed activations by which the measured peak exceeded the prediction, at
+    its largest; a layout that ran out of memory counts too, as needing at least what would have
+    put its prediction past the GPU (its memory less what the plan keeps outside the allocator).
+    None: no such layout was measured."""
+    needs = []
+    for row in rows:
+        basis = row["predicted"].get("uncheckpointed_bytes") or 0
+        if not basis:
+            continue
+        if row["status"] == "ok":
+            needs.append((row["measured"]["allocated"] - row["predicted"]["allocated"]) / basis)
+        elif row["status"].startswith("oom"):
+            needs.append((hw.gpu_memory_bytes - row["predicted"]["device_total"]) / basis)
+    if not needs:
+        return None
+    return round(min(max(0.0, max(needs)) + MARGIN_SLACK, 4.0), 2)
+
+
+# Added to the fitted activation margin: the step-to-step variation of a measured peak.
+MARGIN_SLACK = 0.02
 
 
 def cuda_overheads(device: torch.device, before_group: int | None) -> dict[str, int] | None:
@@ -358,7 +400,7 @@ def reduced_spec(spec, blocks: int | None):
     return dataclasses.replace(spec, config=config, name=f"{spec.name} ({blocks} blocks)")
 
 
-def prediction(candidate: Candidate, hw, on_gpu: bool) -> dict[str, Any]:
+def prediction(candidate: Candidate, hw, on_gpu: bool, facts) -> dict[str, Any]:
     """What the planner predicts for one rank. Without a GPU the accelerator is the host itself, so
     the RSS to compare with is the device's bytes plus the offloaded ones (host_rss)."""
     memory = candidate.memory
@@ -367,6 +409,7 @@ def prediction(candidate: Candidate, hw, on_gpu: bool) -> dict[str, Any]:
     return {"allocated": memory.allocated, "reserved": memory.reserved, "device_total": memory.device_total,
             "phases": memory.phases, "host_per_rank": host, "host_offload_per_rank": offload,
             "host_rss": host if on_gpu else memory.allocated + offload,
+            "uncheckpointed_bytes": uncheckpointed_bytes(candidate.layout, facts),
             "step_seconds": candidate.step_seconds, "time_terms": candidate.time_terms}
 
 
@@ -425,7 +468,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
         trial = run.model_copy(update={"training": run.training.model_copy(
             update={"global_batch_size": layout.micro_batch * topo.world_size})})
         candidate = evaluate(layout, facts, hw, trial)
-        row = {"config": describe(layout), "layout": dataclasses.asdict(layout), "predicted": prediction(candidate, hw, device.type == "cuda"),
+        row = {"config": describe(layout), "layout": dataclasses.asdict(layout), "predicted": prediction(candidate, hw, device.type == "cuda", facts),
                "flops_per_step": activations(layout, facts).flops * layout.micro_batch,
                "fits": candidate.fits, "rejected": candidate.rejected,
                "status": measurable(candidate, topo, device) or "ok"}
@@ -436,13 +479,11 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
                 print(f"calibrate: {row['config']} ...", file=sys.stderr, flush=True)
             try:
                 measured = run_layout(layout, spec, trial, topo, device, args.steps, result.checkpointed(layout))
-            except torch.OutOfMemoryError as err:
+            except torch.OutOfMemoryError as err:  # measured: this layout does not fit (every rank knows it)
                 row["status"] = f"oom: {' '.join(str(err).split())[:120]}"
                 measured = None
             ranks = gather_objects(measured)
             row["measured"] = merge(ranks) if all(ranks) else None
-            if row["measured"] is None and row["status"] == "ok":
-                row["status"] = "oom on another rank"
         rows.append(row)
         barrier()
     bandwidth = host_to_device_bandwidth(device)

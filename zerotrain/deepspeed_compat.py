@@ -607,3 +607,72 @@ def op_report() -> dict[str, Any]:
                for name, builder in ALL_OPS.items()}
         return {"accelerator": accelerator, "torch_info": dict(torch_info), "ops": ops,
                 "ninja": is_ninja_available()}
+
+
+# ---- dropping a step that ran out of memory ----
+
+def abandon_step(engine: Any, micro_steps: int) -> None:
+    """Put the engine back where it stood before a step whose forward or backward raised (an
+    out-of-memory error), so that the same micro-batches can run again with nothing of the failed
+    attempt left: no gathered ZeRO-3 parameters, no half-filled reduction buckets, no gradients
+    accumulated by its earlier micro-batches. `micro_steps` is engine.micro_steps at the step's
+    start. The optimizer has not stepped (that happens after the last backward), so its state and
+    the weights are untouched.
+
+    DeepSpeed has no call for this; it mirrors what the optimizers' own step() and zero_grad()
+    reset after a step (runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.step, zero_grad,
+    reset_partition_gradient_structures; runtime/zero/stage3.py zero_grad and the parameter
+    coordinator's release_and_reset_all; runtime/base_optimizer.py's backward hook state), read in
+    the tested versions. tests/distributed/test_oom_recovery.py checks, for ZeRO 0-3, with and
+    without offload and gradient accumulation, that training after it equals training that never
+    failed."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()  # reductions in flight on a side stream land before their buffers are reset
+    engine.micro_steps = micro_steps
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", None)
+    if offload is not None:  # ZeRO-3: parameters gathered for the failed forward or backward go back
+        coordinator = offload.get_param_coordinator()
+        coordinator.release_and_reset_all(engine.module)
+        _require(coordinator, ("is_invalid_trace", "_invalidate_trace"), "ZeRO-3's parameter coordinator")
+        if not coordinator.is_invalid_trace():  # the recorded order ended in the middle: record anew
+            coordinator._invalidate_trace()
+    getattr(optimizer, "extra_large_param_to_reduce", {}).clear()
+    for bucket in getattr(optimizer, "ipg_buckets", {}).values():
+        bucket.params.clear()
+        bucket.elements = 0
+        if hasattr(bucket, "grads"):  # ZeRO 1/2
+            bucket.grads.clear()
+            bucket.index = 0
+    reduced = getattr(optimizer, "params_already_reduced", None)
+    for key in (range(len(reduced)) if isinstance(reduced, list) else list(reduced or ())):
+        reduced[key] = False
+    previous = getattr(optimizer, "previous_reduced_grads", None)
+    if isinstance(previous, dict):
+        for grads in previous.values():
+            grads.clear()
+    if hasattr(optimizer, "averaged_gradients"):
+        for key in list(optimizer.averaged_gradients):
+            optimizer.averaged_gradients[key] = None if offload is None else optimizer.averaged_gradients[key]
+    for key in list(getattr(optimizer, "all_grad_tensors", {})):
+        optimizer.all_grad_tensors[key] = None
+    if hasattr(optimizer, "reset_partition_gradient_structures") and getattr(optimizer, "partition_gradients", False):
+        optimizer.reset_partition_gradient_structures()
+    if hasattr(optimizer, "_release_ipg_buffers"):  # ZeRO 1/2, as the end of every backward does
+        optimizer._release_ipg_buffers()
+    if hasattr(optimizer, "_offload_accumulated_param_ids"):
+        optimizer._offload_accumulated_param_ids = set()
+    if offload is None and hasattr(optimizer, "micro_step_id"):
+        optimizer.micro_step_id = -1  # stage_1_and_2.INITIAL_MICRO_STEP_ID, as its step() sets it
+    elif offload is not None:  # as stage3's zero_grad (whose record_stream fails on the CPU accelerator)
+        optimizer.micro_step_id = 0
+        optimizer._epilogue_ran_this_backward = False
+    for param in engine.module.parameters():
+        param.grad = None
+        if hasattr(param, "grad_accum"):
+            param.grad_accum = None
+    state = getattr(optimizer, "_backward_hook_state", None)
+    if state is not None:
+        state.backward_active_depth = 0
+        optimizer.clear_backward_seen_flag()

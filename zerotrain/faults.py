@@ -11,8 +11,10 @@
   skips the optimizer step on all ranks together; non-finite gradients with a finite loss are
   caught by the same check. The loss is reported as it was, never replaced; skipped steps are
   counted, and faults.max_bad_steps consecutive ones stop the run with a checkpoint.
-- A CUDA out-of-memory error is turned into one message: the planner's prediction, what was
-  measured, and the next configuration the planner would choose with less memory.
+- A CUDA out-of-memory error in the forward or backward of a run's first steps is recovered in
+  place (OomRecovery: the step dropped on every rank and run again with more recomputation);
+  otherwise it is turned into one message: the planner's prediction, what was measured, and the
+  next configuration the planner would choose with less memory.
 """
 
 from __future__ import annotations
@@ -81,3 +83,79 @@ def oom_advice(plan: Any, used: Any, headroom: float) -> str:
     best = max(fitting, key=lambda c: (c.images_per_second, -c.memory.device_total))
     return (f"--set planner.headroom={new_headroom:.4f} makes the planner choose {describe(best.layout)} "
             f"(predicted {gib(best.memory.device_total)} per GPU)")
+
+
+class OomRecovery:
+    """Out-of-memory recovery in the first faults.oom_recovery_steps steps of a run or a resume
+    (planner/ladder.py says where a run can go): every rank drops the failed step (no optimizer
+    update, nothing counted; deepspeed_compat.abandon_step), memory is freed, and the step runs
+    again, on the same micro-batches and noise, with the next rung's recomputation applied to the
+    model in place. The move is printed in one line with the measured peak, appended to plan.json
+    ("adjusted", which a resume keeps) and to memory.json, and the memory check measures the new
+    layout. After faults.max_oom_retries moves, past the window, or with no rung left, the error
+    stands (train.run_loop turns it into one line naming the layout that needs a new engine)."""
+
+    def __init__(self, planned: Any, model: Any, start_step: int, device: Any, is_main: bool):
+        from zerotrain.planner.ladder import rungs
+
+        self.planned, self.model, self.device, self.is_main = planned, model, device, is_main
+        faults = planned.run.faults
+        self.until = start_step + faults.oom_recovery_steps
+        self.retries_left = faults.max_oom_retries
+        self.current = planned.used
+        self.adjusted: list[dict[str, Any]] = list(planned.adjusted)
+        more, self.offload = planned.recoverable
+        self.next = rungs(self.current.layout, planned.facts, planned.hw, planned.run, self.offload) if more else []
+
+    def allowed(self, step: int) -> bool:
+        """Whether an out-of-memory error in `step` is recovered."""
+        return step <= self.until and self.retries_left > 0 and bool(self.next)
+
+    def recover(self, step: int, error: str, peak: int | None, monitor: Any) -> None:
+        """Move the model to the next rung (the failed step was dropped and its memory freed)."""
+        from zerotrain import families, recompute
+        from zerotrain.distributed import gather_objects
+        from zerotrain.planner.ladder import checkpointed_count, config_fields, rungs, set_lines
+        from zerotrain.planner.search import describe, gib
+
+        planned, before, rung = self.planned, self.current, self.next[0]
+        checkpointing = planned.result.checkpointed(rung.layout)
+        families.of(planned.spec).enable_checkpointing(
+            self.model, None if checkpointing is True else checkpointing,
+            recompute.OffloadingCheckpoint() if rung.layout.offload_activations else None)
+        ranks = gather_objects(recompute.checkpointed(self.model))  # what each rank's model does now
+        self.current, self.retries_left = rung, self.retries_left - 1
+        self.next = rungs(rung.layout, planned.facts, planned.hw, planned.run, self.offload)
+        fields = config_fields(rung.layout, planned.facts)
+        measured = "no GPU to measure" if peak is None else f"{gib(peak)} allocated when it failed"
+        where = applied(ranks, checkpointed_count(rung.layout, planned.facts))
+        line = (f"step {step} ran out of memory with {describe(before.layout)} (predicted "
+                f"{gib(before.memory.device_total)} per GPU; {measured}): dropped on every rank, and run again with "
+                f"{describe(rung.layout)} (predicted {gib(rung.memory.device_total)}) {where}; a resume keeps it; to "
+                f"start with it: {set_lines(fields)}")
+        self.adjusted.append({"step": step, "from": describe(before.layout), "to": describe(rung.layout),
+                              "training": fields, "predicted_before": before.memory.device_total,
+                              "predicted_after": rung.memory.device_total, "measured_peak": peak,
+                              "error": error})
+        monitor.adjust(step - 1, rung.memory, describe(rung.layout), rung.margin_bytes, self.adjusted)
+        if self.is_main:
+            self._write_plan()
+        monitor.log(f"zerotrain: warning: {line}")
+
+    def _write_plan(self) -> None:
+        import json
+
+        path = self.planned.run.output_dir / "plan.json"
+        document = json.loads(path.read_text())
+        document["adjusted"] = self.adjusted
+        document["trained"] = self.current.to_json()
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(document, indent=1, default=str))
+        tmp.replace(path)
+
+
+def applied(blocks_per_rank: list[int], expected: int) -> str:
+    """Whether every rank's model checkpoints the blocks the move asked for, in words."""
+    if all(n == expected for n in blocks_per_rank):
+        return f"on each of {len(blocks_per_rank)} rank{'s' if len(blocks_per_rank) > 1 else ''}"
+    return "but the ranks' models checkpoint " + ", ".join(f"{n} blocks on rank {r}" for r, n in enumerate(blocks_per_rank))

@@ -33,6 +33,9 @@ from zerotrain.distributed import Topology, gather_objects
 
 GIB = 2**30
 SMOOTHING = 0.9  # weight of the old value in the smoothed loss and speed
+# A measured peak above the prediction by more than this share (or the plan's activation margin,
+# where larger) is worth a warning: the plan's headroom is all that is left.
+MEMORY_WARN_SHARE = 0.05
 
 
 @dataclass
@@ -102,7 +105,7 @@ class Monitor:
     def __init__(self, run_dir: Path, topo: Topology, device: torch.device, *, max_steps: int, start_step: int,
                  images_per_step: int, predicted: Any, layout_text: str, flops_per_image: float,
                  peak_flops_per_gpu: float | None, every: int = 1, tensorboard: bool = True,
-                 progress_bar: str = "auto", memory_check_step: int = 3,
+                 progress_bar: str = "auto", memory_check_step: int = 3, margin_bytes: int = 0,
                  print_fn: Callable[[str], None] | None = None):
         self.run_dir, self.topo, self.device = run_dir, topo, device
         self.max_steps, self.start_step, self.images_per_step = max_steps, start_step, images_per_step
@@ -113,6 +116,9 @@ class Monitor:
         self.smoothed_speed: float | None = None
         self.skipped = 0
         self.memory_checked = False
+        self.check_at = start_step + memory_check_step
+        self.margin_bytes = margin_bytes
+        self.adjustments: list[dict[str, Any]] = []
         self.started = time.perf_counter()
         self.print = print_fn or (lambda line: print(line, flush=True))
         self.metrics = self.writer = self.bar = None
@@ -219,7 +225,7 @@ class Monitor:
         """Every rank calls this at the same step: once, after logging.memory_check_step steps
         (or at the last step of a shorter run). Rank 0 prints one line comparing the planner's
         prediction with the measured peaks and writes RUN/memory.json; returns the line."""
-        due = step == self.start_step + self.memory_check_step or step == self.max_steps
+        due = step == self.check_at or step == self.max_steps
         if self.memory_checked or not due:
             return None
         self.memory_checked = True
@@ -236,6 +242,11 @@ class Monitor:
                     f"{_gib(worst_alloc)} allocated ({(worst_alloc / predicted.allocated - 1):+.1%}), "
                     f"{_gib(worst_reserved)} reserved ({(worst_reserved / predicted.reserved - 1):+.1%}) "
                     f"on the fullest of {len(allocated)} GPU(s)")
+            allowed = max(self.margin_bytes, MEMORY_WARN_SHARE * predicted.allocated)
+            if worst_alloc > predicted.allocated + allowed:
+                line += (f"; warning: more than the {_gib(allowed)} margin above the prediction: the planner's "
+                         "estimate is low on this GPU, and a larger run may run out of memory; run zerotrain "
+                         "calibrate to measure it (planner.calibration)")
         else:
             line = (f"memory after step {step}: planner predicted {_gib(predicted.allocated)} allocated, "
                     f"{_gib(predicted.reserved)} reserved per GPU ({self.layout_text}); no GPU here, so no "
@@ -243,12 +254,26 @@ class Monitor:
         document = {"step": step, "layout": self.layout_text, "predicted": {
             "allocated": predicted.allocated, "reserved": predicted.reserved, "device_total": predicted.device_total,
             "peak_phase": predicted.peak_phase, "phases": predicted.phases, "terms": predicted.terms},
-            "measured": [{"rank": rank, **peaks} for rank, peaks in enumerate(ranks)]}
+            "measured": [{"rank": rank, **peaks} for rank, peaks in enumerate(ranks)],
+            "margin_bytes": self.margin_bytes, "adjusted": self.adjustments}
         tmp = self.run_dir / "memory.json.tmp"
         tmp.write_text(json.dumps(document, indent=1))
         tmp.replace(self.run_dir / "memory.json")
         self.print(line)
         return line
+
+    def adjust(self, step: int, predicted: Any, layout_text: str, margin_bytes: int,
+               adjustments: list[dict[str, Any]]) -> None:
+        """The run moved to another layout after `step` (faults.OomRecovery): the memory check
+        compares its prediction, logging.memory_check_step steps on, and memory.json lists the moves."""
+        self.predicted, self.layout_text, self.margin_bytes = predicted, layout_text, margin_bytes
+        self.adjustments = list(adjustments)
+        self.check_at, self.memory_checked = step + self.memory_check_step, False
+        if self.topo.is_main:
+            tmp = self.run_dir / "memory.json.tmp"
+            tmp.write_text(json.dumps({"step": step, "layout": layout_text, "adjusted": self.adjustments}, indent=1,
+                                      default=str))
+            tmp.replace(self.run_dir / "memory.json")
 
     def log(self, line: str) -> None:
         """A line on rank 0 that does not break the progress bar."""

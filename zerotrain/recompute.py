@@ -56,6 +56,19 @@ def enable(model: torch.nn.Module, names: Collection[str] | None = None,
     model.enable_gradient_checkpointing(functools.partial(_some, inside=inside, checkpoint_fn=checkpoint_fn))
 
 
+def checkpointed(model: torch.nn.Module) -> int:
+    """How many of the model's checkpoint units run under checkpointing now: read from the function
+    diffusers calls (the _gradient_checkpointing_func its enable_gradient_checkpointing sets on each
+    module that checkpoints), not from what was asked."""
+    functions = [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()
+                 if getattr(m, "gradient_checkpointing", False)]
+    if not functions:
+        return 0
+    units = checkpoint_units(model)
+    inside = getattr(functions[0], "keywords", {}).get("inside")
+    return len(units) if inside is None else sum(id(unit) in inside for unit in units.values())
+
+
 def _checkpointed(module: Any, *args: Any, checkpoint_fn: Callable) -> Any:
     return checkpoint_fn(module.__call__, *args)
 

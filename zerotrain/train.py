@@ -39,7 +39,7 @@ from zerotrain.distributed import (
     use_device,
 )
 from zerotrain.errors import ZerotrainError
-from zerotrain.faults import StopSignal, oom_advice
+from zerotrain.faults import OomRecovery, StopSignal, oom_advice
 from zerotrain.monitor import Monitor, measured_peaks
 from zerotrain.planner.entry import RunPlan, plan_for_run
 from zerotrain.protocols import ModelSpec
@@ -56,14 +56,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def plan_run(run: RunConfig, spec: ModelSpec, topo: Topology) -> RunPlan:
+def plan_run(run: RunConfig, spec: ModelSpec, topo: Topology, resuming: bool = False) -> RunPlan:
     """planner.entry.plan_for_run for the launched world size; a run with neither a plan that fits
-    nor a given DeepSpeed config stops here, with the planner's reason."""
+    nor a given DeepSpeed config stops here, with the planner's reason. A resume keeps the layout
+    earlier out-of-memory recoveries moved the run to (plan.json's "adjusted")."""
+    from zerotrain.planner import ladder
+
+    recoverable = ladder.left_to_planner(run)
+    adjusted = previous_adjustments(run.output_dir) if resuming else []
+    run, kept = ladder.keep_adjustment(run, adjusted)
     planned = plan_for_run(run, spec, topo.world_size)
     if planned.config is None:
         raise ZerotrainError("the planner finds no configuration that fits: " + "; ".join(planned.result.reasons[-1:])
                              + " (run zerotrain plan for suggestions)")
+    planned.adjusted, planned.recoverable = adjusted if kept else [], recoverable
+    planned.notes += [kept] if kept else []
     return planned
+
+
+def previous_adjustments(run_dir: Path) -> list[dict]:
+    """The moves of the out-of-memory recoveries recorded in a run folder's plan.json."""
+    try:
+        return list(json.loads((run_dir / "plan.json").read_text()).get("adjusted") or [])
+    except (OSError, ValueError):
+        return []
 
 
 def write_run_folder(planned: RunPlan, topo: Topology) -> None:
@@ -72,7 +88,8 @@ def write_run_folder(planned: RunPlan, topo: Topology) -> None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         (run.output_dir / "config.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
         (run.output_dir / "deepspeed.json").write_text(json.dumps(planned.config, indent=2))
-        (run.output_dir / "plan.json").write_text(json.dumps(planned.result.to_json(), indent=1, default=str))
+        plan = {**planned.result.to_json(), "adjusted": planned.adjusted}
+        (run.output_dir / "plan.json").write_text(json.dumps(plan, indent=1, default=str))
     barrier()
 
 
@@ -179,7 +196,7 @@ def fit(run: RunConfig, spec: ModelSpec, topo: Topology, checkpoint: Path | None
     device = local_device(topo)
     if checkpoint is not None:  # a resume keeps the checkpoint's ZeRO stage
         run = resume_stage(run, checkpoint)
-    planned = from_rank0(plan_run, topo, run, spec, topo)
+    planned = from_rank0(plan_run, topo, run, spec, topo, checkpoint is not None)
     run, layout = planned.run, planned.layout
     for line in planned.notes if topo.is_main else []:
         warn(line)
@@ -211,7 +228,10 @@ def fit(run: RunConfig, spec: ModelSpec, topo: Topology, checkpoint: Path | None
             warn(line)
         print(f"resumed from {checkpoint} at step {trainer.counter.step}", flush=True)
     sampler.set_epoch(sampler.state_dict()["epoch"])
+    from zerotrain.engine import denoiser
+
     trainer.monitor = make_monitor(planned, topo, device, trainer.counter.step)
+    trainer.recovery = OomRecovery(planned, denoiser(trainer.engine), trainer.counter.step, device, topo.is_main)
     return run_loop(trainer, planned, device)
 
 
@@ -245,7 +265,7 @@ def build_trainer(planned: RunPlan, folder: Path, topo: Topology, device: torch.
     counter = Counter(run.training.global_batch_size)
     checkpointer = Checkpointer(engine, run, topo, {"objective": generator}, {"counter": counter, "sampler": sampler},
                                 ema)
-    feed = DataFeed(loader, sampler, objective, generator, device, run.faults, topo.is_main)
+    feed = DataFeed(loader, sampler, objective, generator, device, run.faults, topo.is_main, layout.accumulation)
     return Trainer(engine, run, topo, device, feed, counter, checkpointer, StopSignal(run.faults.grace_seconds),
                    ema=ema)
 
@@ -259,7 +279,8 @@ def make_monitor(planned: RunPlan, topo: Topology, device: torch.device, start_s
                    layout_text=describe(planned.layout), flops_per_image=planned.result.flops_per_sample,
                    peak_flops_per_gpu=planned.hw.peak_bf16_flops if device.type == "cuda" else None,
                    every=run.logging.every, tensorboard=run.logging.tensorboard,
-                   progress_bar=run.logging.progress_bar, memory_check_step=run.logging.memory_check_step)
+                   progress_bar=run.logging.progress_bar, memory_check_step=run.logging.memory_check_step,
+                   margin_bytes=planned.used.margin_bytes)
 
 
 def run_loop(trainer: Trainer, planned: RunPlan, device: torch.device) -> bool:
@@ -267,20 +288,29 @@ def run_loop(trainer: Trainer, planned: RunPlan, device: torch.device) -> bool:
     measured, and what to change."""
     from zerotrain.planner.search import describe, gib
 
-    used, run = planned.used, planned.run
+    run = planned.run
     try:
         return trainer.fit(planned.layout.accumulation)
     except torch.OutOfMemoryError as err:
-        measured = measured_peaks(device)
+        measured, used = measured_peaks(device), trainer.recovery.current
         raise ZerotrainError(
-            f"CUDA out of memory at step {trainer.counter.step + 1} with {describe(planned.layout)}: the planner "
-            f"predicted {gib(used.memory.device_total)} per GPU, the peak measured on this rank was "
+            f"CUDA out of memory at step {trainer.counter.step + 1} with {describe(used.layout)}{moves(trainer)}: "
+            f"the planner predicted {gib(used.memory.device_total)} per GPU, the peak measured on this rank was "
             f"{gib(measured['max_allocated'] or 0)} allocated, {gib(measured['max_reserved'] or 0)} reserved "
             f"({' '.join(str(err).split())[:200]}). {oom_advice(planned.result, used, run.planner.headroom)}. "
             "The last checkpoint is untouched") from err
     finally:
         trainer.stop.restore()
         trainer.monitor.close()
+
+
+def moves(trainer: Trainer) -> str:
+    """How the run got to its layout, for the out-of-memory line."""
+    recovery = trainer.recovery
+    done = len(recovery.adjusted) - len(recovery.planned.adjusted)
+    if done:
+        return f" (after {done} out-of-memory recover{'y' if done == 1 else 'ies'} this run)"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

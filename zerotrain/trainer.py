@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +45,23 @@ def train_step(engine: Any, next_micro_batch: Callable[[int], MicroBatch], accum
     Returns this rank's mean loss (a detached fp32 scalar)."""
     losses = []
     for index in range(accumulation):
+        failed = forward_backward(engine, next_micro_batch, index, laps, losses)
+        if failed is not None:  # raised here, outside the handler, so that nothing holds the step's tensors
+            raise StepOutOfMemory(failed)
+        engine.step()  # the optimizer step at the accumulation boundary
+        laps.lap("optimizer")
+    return torch.stack(losses).mean()
+
+
+class StepOutOfMemory(torch.OutOfMemoryError):
+    """A micro-batch's forward or backward ran out of memory (not the optimizer step: its states
+    may be half-made, and more checkpointing would not shrink them). Its message is the original's."""
+
+
+def forward_backward(engine: Any, next_micro_batch: Callable[[int], MicroBatch], index: int, laps: Laps,
+                     losses: list[torch.Tensor]) -> str | None:
+    """One micro-batch's forward and backward; the out-of-memory error's message if one ran out."""
+    try:
         kwargs, loss_of = next_micro_batch(index)
         laps.lap("data")
         pred = engine(**kwargs, return_dict=False)[0]
@@ -52,9 +70,9 @@ def train_step(engine: Any, next_micro_batch: Callable[[int], MicroBatch], accum
         losses.append(loss.detach().float())
         del kwargs, pred, loss  # not held through the next micro-batch's forward
         laps.lap("forward_backward")
-        engine.step()  # the optimizer step at the accumulation boundary
-        laps.lap("optimizer")
-    return torch.stack(losses).mean()
+    except torch.OutOfMemoryError as err:
+        return str(err)
+    return None
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -69,20 +87,36 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 class DataFeed:
     """The run's micro-batches: the loader's batches (a new epoch at an epoch's end, which falls on
-    a step boundary, data/sampler.py), noised by the objective with this rank's generator. The
-    faults config's injections act here: a CUDA out-of-memory error before a step's forward, a
-    non-finite loss on rank 0 (tests)."""
+    a step boundary, data/sampler.py), noised by the objective with this rank's generator. A step
+    dropped after running out of memory runs again on the same batches and noise (begin, rewind).
+    The faults config's injections act here: a CUDA out-of-memory error before the forward of a
+    step's last micro-batch (once per step), a non-finite loss on rank 0 (tests)."""
 
     def __init__(self, loader: Any, sampler: Any, objective: Any, generator: torch.Generator, device: torch.device,
-                 faults: FaultsConfig, is_main: bool):
+                 faults: FaultsConfig, is_main: bool, accumulation: int = 1):
         self.loader, self.sampler, self.objective = loader, sampler, objective
         self.generator, self.device, self.faults, self.is_main = generator, device, faults, is_main
+        self.accumulation = accumulation
         # The loader's iterator is made at the first micro-batch: making it draws the sampler's
         # order, which a resume sets first (the sampler's load_state_dict and set_epoch).
         self.batches: Iterator[Any] | None = None
         self.step = 0  # the step being trained, counted from 1
+        self.taken: list[Any] = []  # this step's batches so far
+        self.replay: list[Any] = []  # a dropped step's batches, to run again
+        self.noise_state = generator.get_state()
+        self.injected: set[int] = set()
 
-    def __call__(self, index: int) -> MicroBatch:
+    def begin(self, step: int) -> None:
+        self.step, self.taken, self.noise_state = step, [], self.generator.get_state()
+
+    def rewind(self) -> None:
+        """The step begun last runs again: the same batches, the same noise."""
+        self.replay, self.taken = self.taken + self.replay, []
+        self.generator.set_state(self.noise_state)
+
+    def next_batch(self) -> Any:
+        if self.replay:
+            return self.replay.pop(0)
         if self.batches is None:
             self.batches = iter(self.loader)
         batch = next(self.batches, None)
@@ -90,8 +124,15 @@ class DataFeed:
             self.sampler.set_epoch(self.sampler.state_dict()["epoch"] + 1)
             self.batches = iter(self.loader)
             batch = next(self.batches)
+        return batch
+
+    def __call__(self, index: int) -> MicroBatch:
+        batch = self.next_batch()
+        self.taken.append(batch)
         inputs = self.objective.prepare(batch, self.generator)
-        if self.step in self.faults.inject_oom_at:  # every rank, as a failed CUDA allocation would
+        if self.step in self.faults.inject_oom_at and self.step not in self.injected \
+                and index == self.accumulation - 1:  # every rank, as a failed CUDA allocation would
+            self.injected.add(self.step)
             raise torch.OutOfMemoryError(f"CUDA out of memory (faults.inject_oom_at, step {self.step})")
         poison = self.step in self.faults.inject_nan_at and self.is_main and index == 0
         return to_device(inputs.model_kwargs, self.device), _Loss(self.objective, inputs, self.device, poison)
@@ -205,13 +246,16 @@ class BadSteps:
             "the data, then resume (training.resume: auto)")
 
 
-def agree(loss: torch.Tensor, stop_received: bool, topo: Topology, device: torch.device) -> tuple[float, bool]:
-    """One collective per step: the ranks' mean loss, and whether any rank was asked to stop (a
-    signal reaches ranks at different moments; all must stop after the same step)."""
-    totals = torch.stack([loss, torch.tensor(float(stop_received), device=device)])
+def agree(loss: torch.Tensor, stop_received: bool, topo: Topology, device: torch.device,
+          ran_out: bool = False) -> tuple[float, bool, bool]:
+    """One collective per step: the ranks' mean loss, whether any rank was asked to stop (a signal
+    reaches ranks at different moments; all must stop after the same step), and whether any rank
+    ran out of memory in it (every rank then drops the step)."""
+    totals = torch.stack([loss.to(device), torch.tensor(float(stop_received), device=device),
+                          torch.tensor(float(ran_out), device=device)])
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(totals)
-    return (totals[0] / topo.world_size).item(), totals[1].item() > 0
+    return (totals[0] / topo.world_size).item(), totals[1].item() > 0, totals[2].item() > 0
 
 
 @dataclasses.dataclass
@@ -232,6 +276,8 @@ class Trainer:
     validator: Any = None
     ema: Any = None
     resumed: bool = False
+    recovery: Any = None
+    """faults.OomRecovery: where a step that runs out of memory goes (None: nowhere)."""
 
     def fit(self, accumulation: int) -> bool:
         """Train to max_steps: True when done, False when a signal stopped the run (after its
@@ -249,12 +295,21 @@ class Trainer:
         engine, counter, max_steps = self.engine, self.counter, self.run.training.max_steps
         lr = engine.get_lr()[0]  # this step's learning rate (engine.step() moves the schedule on)
         times = StepTimes(self.device)
-        self.feed.step = counter.step + 1
-        loss = train_step(engine, self.feed, accumulation, times)
+        self.feed.begin(counter.step + 1)
+        micro_steps, failure = engine.micro_steps, None
+        try:
+            loss = train_step(engine, self.feed, accumulation, times)
+        except StepOutOfMemory as err:
+            if self.recovery is None or not self.recovery.allowed(counter.step + 1):
+                raise
+            failure, loss = " ".join(str(err).split())[:200], torch.tensor(float("nan"))
+        mean_loss, stopping, ran_out = agree(loss, bool(self.stop.received), self.topo, self.device, failure is not None)
+        if ran_out:  # the failed step's tensors were released with the exception
+            self.drop_step(micro_steps, failure)
+            return True
         self.feed.sampler.advance()
         counter.step += 1
         step = counter.step
-        mean_loss, stopping = agree(loss, bool(self.stop.received), self.topo, self.device)
         skipped = not engine.was_step_applied()
         grad_norm = engine.get_global_grad_norm()
         self.monitor.step(step, self.feed.sampler.state_dict()["epoch"], mean_loss, lr,
@@ -273,6 +328,26 @@ class Trainer:
             return False
         self.validate(step)
         return True
+
+    def drop_step(self, micro_steps: int, failure: str | None) -> None:
+        """Every rank drops the step that ran out of memory on one of them, frees what it held, and
+        moves to the next rung (faults.OomRecovery); the step then runs again."""
+        from zerotrain.deepspeed_compat import abandon_step
+        from zerotrain.monitor import measured_peaks
+
+        step = self.counter.step + 1
+        if failure is None:  # this rank finished the step: its optimizer has stepped
+            raise ZerotrainError(f"rank {self.topo.rank} finished step {step} while another rank ran out of memory "
+                                 "in it: the ranks' weights now differ; stopping; resume from the last checkpoint "
+                                 "(training.resume: auto) with more checkpointing (training.checkpoint_blocks)")
+        peak = measured_peaks(self.device)["max_allocated"]
+        abandon_step(self.engine, micro_steps)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.feed.rewind()
+        self.recovery.recover(step, failure, peak, self.monitor)
 
     def validate(self, step: int) -> None:
         """Every rank renders its share of the validation images (with the EMA weights if asked)."""

@@ -32,7 +32,7 @@ def test_a_calibration_replaces_the_defaults_the_config_leaves_unset(tmp_path):
                                          "assumed_mfu": {"flux": 0.31, "sd3": 0.2}, "host_to_device_bandwidth": 2.1e10})
     run = load_config(None, ["hardware.gpus=1xH100-80GB", f"planner.calibration={path}", "planner.fragmentation=0.2"])
     hw = hardware_facts(run.hardware)
-    calibrated, hw2, note = calibration.apply(run, hw, "flux")
+    calibrated, hw2, note, _ = calibration.apply(run, hw, "flux")
     assert calibrated.planner.fragmentation == 0.2  # the config's own value wins
     assert calibrated.planner.cuda_context_bytes == 500 * 2**20 and calibrated.planner.assumed_mfu == 0.31
     assert hw2.host_to_device_bandwidth == 2.1e10
@@ -44,7 +44,7 @@ def test_the_default_calibration_is_the_planned_gpu_profiles(tmp_path, monkeypat
     write(calibration.default_path("H100-80GB"), {"cpu_adam_params_per_second": 3e9})
     for gpus, expected in (("1xH100-80GB", 3e9), ("1xA100-80GB", 2e9)):
         run = load_config(None, [f"hardware.gpus={gpus}"])
-        calibrated, _, note = calibration.apply(run, hardware_facts(run.hardware), "flux")
+        calibrated, _, note, _ = calibration.apply(run, hardware_facts(run.hardware), "flux")
         assert calibrated.planner.cpu_adam_params_per_second == expected
         assert (note is not None) == (expected == 3e9)
 

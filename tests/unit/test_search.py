@@ -74,9 +74,10 @@ def test_checkpointing_when_activations_do_not_fit():
 
 
 def test_sharding_when_model_states_do_not_fit_one_gpu():
-    # 12B params full: 2+16 bytes/param replicated is 200 GiB; on 8x80GB only ZeRO-3 (or offload) fits.
+    # 12B params full: 2+16 bytes/param replicated is 200 GiB; on 8x80GB only a sharded layout fits
+    # (ZeRO-2's 2 + 14/8 bytes per parameter with checkpointing, ZeRO-3 without, or offload).
     result = plan(facts(params=12 * 10**9, act_gib=40, act_gc_gib=2.4), hw("8xA100-80GB"), run_with())
-    assert result.chosen.layout.stage == 3 or result.chosen.layout.offload_optimizer != "none"
+    assert result.chosen.layout.stage > 0
     assert not any(c.fits for c in result.candidates if c.layout.stage == 0)
 
 
@@ -111,7 +112,8 @@ def test_host_ram_limits_offload():
                  run_with("training.global_batch_size=1", "hardware.host_memory=64GiB"))
     offloaded = [c for c in tight.candidates if c.layout.offload_optimizer == "cpu"]
     assert offloaded and not any(c.fits for c in offloaded)
-    assert all("host RAM" in c.rejected for c in offloaded if c.memory.device_total <= tight.gpu_budget_bytes)
+    assert all("host RAM" in c.rejected for c in offloaded
+               if c.memory.device_total + c.margin_bytes <= tight.gpu_budget_bytes)
 
 
 def test_fixed_micro_batch_and_checkpointing_are_respected():

@@ -284,6 +284,12 @@ class HardwareConfig(_Section):
 class PlannerConfig(_Section):
     headroom: float = Field(0.08, ge=0.0, lt=0.9)
     """Fraction of each GPU's memory the plan keeps free as a safety margin."""
+    activation_margin: float = Field(0.43, ge=0.0, le=4.0)
+    """Until `zerotrain calibrate` has measured this GPU profile, a layout that keeps blocks
+    uncheckpointed must also leave this share of their traced activations free: without
+    checkpointing, published peaks of other trainers measured up to 1/0.70 of the traced estimate
+    (README, "Honest margins"). A calibration replaces it with the measured value; 0 trusts the
+    trace."""
     stages: list[Literal[0, 1, 2, 3]] = [0, 1, 2, 3]
     """ZeRO stages the search may choose from."""
     zeropp: list[Literal["none", "hpz", "hpz-qwz-qgz"]] = ["none", "hpz"]
@@ -409,8 +415,18 @@ class FaultsConfig(_Section):
     inject_save_failure_at: list[int] = []
     """For tests: steps whose checkpoint fails to write on rank 0, as with a full disk."""
     inject_oom_at: list[int] = []
-    """For tests: optimizer steps whose forward raises torch.OutOfMemoryError on every rank, as
-    CUDA does when an allocation fails (exercises the out-of-memory message)."""
+    """For tests: optimizer steps whose last micro-batch raises torch.OutOfMemoryError before its
+    forward on every rank (after the earlier micro-batches' backward), once each, as CUDA does when
+    an allocation fails (exercises the recovery and the out-of-memory message)."""
+    oom_recovery_steps: int = Field(10, ge=0)
+    """An out-of-memory error in the forward or backward of the first this many steps of a run (or
+    of a resume) is recovered: every rank drops the step (no update, nothing counted), and the step
+    runs again with more blocks checkpointed, then with activation offload where host RAM allows
+    (where training.gradient_checkpointing and activation_offload leave it to the planner). The
+    adjusted layout goes to plan.json, and a resume keeps it. 0: stop with the one-line error."""
+    max_oom_retries: int = Field(3, ge=1)
+    """Out-of-memory recoveries a run makes at most; the next one stops it with one line (the last
+    checkpoint is kept)."""
     collective_timeout_seconds: float = Field(1800.0, gt=0)
     """Timeout of the process group's collectives: a rank that waits this long for the others
     stops with an error instead of hanging. It must exceed the longest one-rank pause every other

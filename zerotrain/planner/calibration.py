@@ -17,7 +17,7 @@ from zerotrain.hardware import HardwareFacts
 VERSION = 1
 # planner.<field> constants a calibration may fit.
 PLANNER_CONSTANTS = ("fragmentation", "cuda_context_bytes", "nccl_workspace_bytes", "cpu_adam_params_per_second",
-                     "host_offload_factor")
+                     "host_offload_factor", "activation_margin")
 
 
 def default_path(profile: str) -> Path:
@@ -38,14 +38,15 @@ def read(path: Path) -> dict[str, Any]:
     return data
 
 
-def apply(run: RunConfig, hw: HardwareFacts, family: str) -> tuple[RunConfig, HardwareFacts, str | None]:
-    """The run and hardware facts with a calibration's constants, and the line the plan says about
-    it (None without a calibration). Fields the config sets itself win over the calibration."""
+def apply(run: RunConfig, hw: HardwareFacts, family: str) -> tuple[RunConfig, HardwareFacts, str | None, str | None]:
+    """The run and hardware facts with a calibration's constants, the line the plan says about it
+    (None without a calibration), and the device on which it measured planner.activation_margin
+    (None: not measured; the default stands). Fields the config sets itself win over the calibration."""
     path = run.planner.calibration
     if path is None:
         path = default_path(hw.gpu_name)
         if not path.is_file():
-            return run, hw, None
+            return run, hw, None, None
     data = read(path)
     constants = data["constants"]
     given = run.planner.model_fields_set
@@ -59,4 +60,5 @@ def apply(run: RunConfig, hw: HardwareFacts, family: str) -> tuple[RunConfig, Ha
         hw = dataclasses.replace(hw, host_to_device_bandwidth=float(constants["host_to_device_bandwidth"]))
         update["host_to_device_bandwidth"] = constants["host_to_device_bandwidth"]
     used = ", ".join(sorted(update)) or "none of its constants (the config sets them all)"
-    return run, hw, f"Calibrated on {data['device']}, {data['date']} ({path}): {used}"
+    margin_from = data["device"] if "activation_margin" in update else None
+    return run, hw, f"Calibrated on {data['device']}, {data['date']} ({path}): {used}", margin_from

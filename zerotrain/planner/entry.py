@@ -46,6 +46,11 @@ class RunPlan:
     layout: Layout | None
     notes: list[str] = dataclasses.field(default_factory=list)
     """Lines for the person starting the run (warnings), printed by the caller."""
+    adjusted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The moves of earlier out-of-memory recoveries that this run keeps (plan.json's "adjusted")."""
+    recoverable: tuple[bool, bool] = (False, False)
+    """Whether the run config lets an out-of-memory recovery checkpoint more blocks, and offload
+    activations (planner.ladder.left_to_planner, of the config as given)."""
 
     @property
     def used(self) -> Candidate | None:
@@ -63,14 +68,15 @@ def plan_for_run(run: RunConfig, spec: ModelSpec, world_size: int | None = None,
     if world_size is not None:
         per_node = world_size // run.hardware.nodes or 1
         hw = dataclasses.replace(hw, gpus_per_node=per_node, nodes=world_size // per_node)
+    margin_from = None
     if calibrated:
-        run, hw, calibrated = calibration.apply(run, hw, families.of(spec).name)
+        run, hw, calibrated, margin_from = calibration.apply(run, hw, families.of(spec).name)
     given = given_config(run)
     notes: list[str] = []
     if given is not None:
         run, notes = apply_header(run, given[0], given[1])
     facts = facts or measure_model(spec, run, cache=cache)
-    result = plan(facts, hw, run)
+    result = plan(facts, hw, run, margin_from)
     if calibrated:
         result.reasons.insert(3, calibrated)
     if given is None:

@@ -87,6 +87,8 @@ def print_plan(p: Plan, facts: ModelFacts, show_all: bool = False, seconds: floa
         breakdown.add_row("allocated", f"{m.allocated / 2**30:.2f}", style="bold")
         breakdown.add_row("reserved (with fragmentation)", f"{m.reserved / 2**30:.2f}")
         breakdown.add_row("device total (+ CUDA context, NCCL)", f"{m.device_total / 2**30:.2f}", style="bold")
+        if p.chosen.margin_bytes:
+            breakdown.add_row("kept free: activation margin", f"{p.chosen.margin_bytes / 2**30:.2f}")
         console.print(breakdown)
         console.print("Phases: " + ", ".join(f"{k} {v / 2**30:.1f}" for k, v in m.phases.items()) + " GiB allocated")
         if m.host_buffers:
