@@ -93,7 +93,7 @@ def test_nothing_fits_exits_1_with_suggestions(capsys):
     assert "Nothing fits" in out and "What would make it fit:" in out
     lines = out.split("What would make it fit:\n", 1)[1].splitlines()
     assert len(lines) == 3, lines
-    nodes = re.fullmatch(r"  - more GPUs: (\d+) nodes of 1 GPUs \(global batch (\d+)\)", lines[0])
+    nodes = re.fullmatch(r"  - more nodes: (\d+) nodes of 1 GPU \(global batch (\d+)\)", lines[0])
     memory = re.fullmatch(r"  - GPUs with at least (\d+\.\d) GiB each", lines[1])
     assert nodes and memory, lines
     assert lines[2] == "  - LoRA over a qint8-quantized base: --mode lora --quantize qint8"

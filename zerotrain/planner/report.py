@@ -18,6 +18,7 @@ from zerotrain.planner.search import (
     gib,
     plan,
     suggest_gpu_memory,
+    suggest_gpus_per_node,
     suggest_host_memory,
     suggest_more_gpus,
 )
@@ -173,14 +174,27 @@ def suggest_optimizer(spec: ModelSpec, hw: HardwareFacts, run: RunConfig) -> str
 def suggestions(spec: ModelSpec, facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> list[str]:
     """Concrete changes that would make the job fit, each checked by planning again."""
     found = []
+    bigger = suggest_gpus_per_node(facts, hw, run)
+    if bigger:
+        found.append(f"more GPUs in a node: {bigger}")
     more = suggest_more_gpus(facts, hw, run)
     if more:
-        found.append(f"more GPUs: {more}")
+        found.append(f"more nodes: {more}")
     for memory in (suggest_gpu_memory(facts, hw, run), suggest_host_memory(facts, hw, run)):
         if memory:
             found.append(memory)
     if "cpu" not in run.planner.offload and _fits_with(spec, hw, run, {"planner.offload": ["none", "cpu", "nvme"]}):
         found.append("allow CPU offload: --set 'planner.offload=[none,cpu]'")
+    training = run.training
+    if training.gradient_checkpointing is False and _fits_with(spec, hw, run, {"training.gradient_checkpointing": "auto"}):
+        found.append("gradient checkpointing where needed: --set training.gradient_checkpointing=auto")
+    if training.checkpoint_blocks is not None and _fits_with(spec, hw, run, {"training.checkpoint_blocks": None}):
+        found.append("let the planner choose the checkpointed blocks: drop training.checkpoint_blocks")
+    if training.activation_offload is False and "cpu" in run.planner.offload and \
+            _fits_with(spec, hw, run, {"training.activation_offload": "auto"}):
+        found.append("activation offload where needed: --set training.activation_offload=auto")
+    if training.micro_batch_size != "auto" and _fits_with(spec, hw, run, {"training.micro_batch_size": "auto"}):
+        found.append("a smaller micro-batch: --set training.micro_batch_size=auto")
     optimizer = suggest_optimizer(spec, hw, run)
     if optimizer:
         found.append(optimizer)

@@ -560,19 +560,35 @@ def suggest_more_gpus(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> s
     batch becomes the nearest multiple of the world size (times a fixed training.micro_batch_size)
     at or below the configured one, at least one step of it; a node count the config cannot
     plan for is skipped."""
-    micro = run.training.micro_batch_size
     for nodes in range(hw.nodes + 1, 65):
-        bigger = dataclasses.replace(hw, nodes=nodes)
-        step = bigger.world_size * (1 if micro == "auto" else micro)
-        batch = max(run.training.global_batch_size // step, 1) * step
-        trial = run.model_copy(update={"training": run.training.model_copy(update={"global_batch_size": batch})})
-        try:
-            result = plan(facts, bigger, trial)
-        except ZerotrainError:
-            continue
-        if result.chosen:
-            return f"{nodes} nodes of {hw.gpus_per_node} GPUs (global batch {batch})"
+        batch = fits_on(facts, dataclasses.replace(hw, nodes=nodes), run)
+        if batch:
+            return f"{nodes} nodes of {hw.gpus_per_node} GPU{'s' if hw.gpus_per_node > 1 else ''} (global batch {batch})"
     return None
+
+
+def suggest_gpus_per_node(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> str | None:
+    """The fewest GPUs per node (2, 4 or 8, more than now) with which something fits on the same
+    number of nodes: a bigger machine rather than more of them."""
+    for per_node in (n for n in (2, 4, 8) if n > hw.gpus_per_node):
+        batch = fits_on(facts, dataclasses.replace(hw, gpus_per_node=per_node), run)
+        if batch:
+            return f"--gpus {per_node}x{hw.gpu_name} (global batch {batch})"
+    return None
+
+
+def fits_on(facts: ModelFacts, bigger: HardwareFacts, run: RunConfig) -> int | None:
+    """The global batch with which something fits on `bigger` (the nearest multiple of its world
+    size, times a fixed micro-batch, at or below the configured one), or None."""
+    micro = run.training.micro_batch_size
+    step = bigger.world_size * (1 if micro == "auto" else micro)
+    batch = max(run.training.global_batch_size // step, 1) * step
+    trial = run.model_copy(update={"training": run.training.model_copy(update={"global_batch_size": batch})})
+    try:
+        result = plan(facts, bigger, trial)
+    except ZerotrainError:
+        return None
+    return batch if result.chosen else None
 
 
 def suggest_host_memory(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> str | None:
