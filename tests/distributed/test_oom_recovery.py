@@ -61,11 +61,12 @@ def test_training_recovers_from_running_out_of_memory_and_resumes_with_the_new_l
     blocks = move["training"]["checkpoint_blocks"]
     assert move["step"] == 2 and 0 < blocks, move
     assert plan["trained"]["layout"]["checkpointed_blocks"] == blocks
+    some = f"{blocks} block{'' if blocks == 1 else 's'}"
     lines = [line for line in recovered.log.splitlines() if "ran out of memory" in line]
     assert len(lines) == 1 and re.fullmatch(
         rf"zerotrain: warning: step 2 ran out of memory with ZeRO-2, no checkpointing, micro-batch 1 x accumulation 2 "
         rf"\(predicted .*; no GPU to measure\): dropped on every rank, and run again with ZeRO-2, checkpointing "
-        rf"{blocks} blocks, micro-batch 1 x accumulation 2 \(predicted .*\) on each of 2 ranks; a resume keeps it; "
+        rf"{some}, micro-batch 1 x accumulation 2 \(predicted .*\) on each of 2 ranks; a resume keeps it; "
         rf"to start with it: --set training.checkpoint_blocks={blocks}", lines[0]), lines
     assert "Traceback" not in recovered.log
     assert [r["step"] for r in recovered.metrics()] == [1, 2, 3]
@@ -79,7 +80,7 @@ def test_training_recovers_from_running_out_of_memory_and_resumes_with_the_new_l
 
     resumed = train("recovered", *common, "training.max_steps=4").check()
     assert (f"keeping the layout the run moved to after running out of memory at step 2 (ZeRO-2, checkpointing "
-            f"{blocks} blocks, micro-batch 1 x accumulation 2; plan.json): --set training.checkpoint_blocks={blocks}"
+            f"{some}, micro-batch 1 x accumulation 2; plan.json): --set training.checkpoint_blocks={blocks}"
             ) in resumed.log, resumed.tails()
     assert json.loads((resumed.output_dir / "plan.json").read_text())["adjusted"] == plan["adjusted"]
     assert resumed.losses() == started.losses()

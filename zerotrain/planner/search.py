@@ -545,7 +545,7 @@ def partial_reason(c: Candidate, candidates: list[Candidate], facts: ModelFacts)
 def describe(layout: Layout) -> str:
     gc = "checkpointing" if layout.gradient_checkpointing else "no checkpointing"
     if layout.gradient_checkpointing and layout.checkpointed_blocks is not None:
-        gc = f"checkpointing {layout.checkpointed_blocks} blocks"
+        gc = f"checkpointing {layout.checkpointed_blocks} block{'' if layout.checkpointed_blocks == 1 else 's'}"
     if layout.bf16_masters:  # fp32 AdamW, the default, goes unnamed
         gc = f"{layout.optimizer}, {gc}"
     if layout.offload_activations:
