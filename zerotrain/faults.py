@@ -145,13 +145,11 @@ class OomRecovery:
     def _write_plan(self) -> None:
         import json
 
+        from zerotrain.monitor import write_json
+
         path = self.planned.run.output_dir / "plan.json"
         document = json.loads(path.read_text())
-        document["adjusted"] = self.adjusted
-        document["trained"] = self.current.to_json()
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(document, indent=1, default=str))
-        tmp.replace(path)
+        write_json(path, {**document, "adjusted": self.adjusted, "trained": self.current.to_json()})
 
 
 def applied(blocks_per_rank: list[int], expected: int) -> str:

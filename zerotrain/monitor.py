@@ -75,6 +75,13 @@ def _gib(n: float | None) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    """Write a JSON document through a temporary file, so a reader never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(document, indent=1, default=str))
+    tmp.replace(path)
+
+
 def _eta(seconds: float) -> str:
     seconds = int(max(0, seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -256,9 +263,7 @@ class Monitor:
             "peak_phase": predicted.peak_phase, "phases": predicted.phases, "terms": predicted.terms},
             "measured": [{"rank": rank, **peaks} for rank, peaks in enumerate(ranks)],
             "margin_bytes": self.margin_bytes, "adjusted": self.adjustments}
-        tmp = self.run_dir / "memory.json.tmp"
-        tmp.write_text(json.dumps(document, indent=1))
-        tmp.replace(self.run_dir / "memory.json")
+        write_json(self.run_dir / "memory.json", document)
         self.print(line)
         return line
 
@@ -270,10 +275,7 @@ class Monitor:
         self.adjustments = list(adjustments)
         self.check_at, self.memory_checked = step + self.memory_check_step, False
         if self.topo.is_main:
-            tmp = self.run_dir / "memory.json.tmp"
-            tmp.write_text(json.dumps({"step": step, "layout": layout_text, "adjusted": self.adjustments}, indent=1,
-                                      default=str))
-            tmp.replace(self.run_dir / "memory.json")
+            write_json(self.run_dir / "memory.json", {"step": step, "layout": layout_text, "adjusted": self.adjustments})
 
     def log(self, line: str) -> None:
         """A line on rank 0 that does not break the progress bar."""
