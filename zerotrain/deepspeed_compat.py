@@ -355,12 +355,12 @@ class Span:
         return self.offset + self.numel
 
 
-def _require(obj: Any, names: tuple[str, ...], what: str) -> None:
+def _require(obj: Any, names: tuple[str, ...], what: str, remedy: str = "disable ema") -> None:
     missing = [name for name in names if not hasattr(obj, name)]
     if missing:
         raise ZerotrainError(f"{what}: DeepSpeed {versions.installed('deepspeed')}'s {type(obj).__name__} has no "
                              f"{', '.join(missing)} (zerotrain was checked against DeepSpeed "
-                             f"{', '.join(versions.TESTED['deepspeed'])}); install that version, or disable ema")
+                             f"{', '.join(versions.TESTED['deepspeed'])}); install that version, or {remedy}")
 
 
 class MasterFragments:
@@ -676,3 +676,53 @@ def abandon_step(engine: Any, micro_steps: int) -> None:
     if state is not None:
         state.backward_active_depth = 0
         optimizer.clear_backward_seen_flag()
+
+
+# ---- ZeRO-3 partitions made one parameter at a time, before initialize ----
+
+LOAD_WHOLE = "set model.load: whole"
+
+
+class Partitioner:
+    """Converts parameters to ZeRO-3 partitioned ones before deepspeed.initialize, exactly as
+    initialize converts a whole model (runtime/zero/parameter_offload.py
+    DeepSpeedZeRoOffload._convert_to_zero_parameters): the first call through
+    deepspeed.zero.Init(module=...) with the arguments initialize passes it (dtype, the config, the
+    parameter offload device and pinning, ZeRO++'s quantized weights), every later one through that
+    Init's convert_to_zero_parameters, which DeepSpeed itself calls for parameters added to a
+    converted model; each parameter is broadcast from rank 0 and partitioned. initialize then finds
+    them converted and converts only what was added since (LoRA adapters). finish() keeps the
+    buffers the model names for fp32 in fp32, as Init(module=model) does at initialize. The Init is
+    never entered as a context: modules are not built under it (SimpleTuner#1239)."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+        self.init: Any = None
+        self.first: Any = None
+
+    def __call__(self, params: list[torch.nn.Parameter]) -> None:
+        import deepspeed
+        import torch
+
+        if self.first is None:
+            zero = self.config.get("zero_optimization") or {}
+            offload = zero.get("offload_param") or {}
+            device = offload.get("device", "none")
+            holder = torch.nn.Module()
+            for index, param in enumerate(params):
+                holder.register_parameter(f"p{index}", param)
+            self.init = deepspeed.zero.Init(
+                module=holder, dtype=params[0].dtype, config_dict_or_path=self.config,
+                remote_device=None if device == "none" else device,
+                pin_memory=bool(offload.get("pin_memory", False)) if device != "none" else False,
+                zero_quantized_weights=bool(zero.get("zero_quantized_weights", False)),
+                zero_quantized_nontrainable_weights=bool(zero.get("zero_quantized_nontrainable_weights", False)))
+            _require(params[0], ("ds_id", "convert_to_zero_parameters"), "a ZeRO-3 parameter", LOAD_WHOLE)
+            self.first = params[0]
+        else:
+            self.first.convert_to_zero_parameters(param_list=params)
+
+    def finish(self, model: torch.nn.Module) -> None:
+        if self.init is not None:
+            _require(self.init, ("_keep_in_fp32",), "zero.Init", LOAD_WHOLE)
+            self.init._keep_in_fp32(model)

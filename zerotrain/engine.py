@@ -1,9 +1,9 @@
 """The only module that calls deepspeed.initialize: load the denoiser, apply the training mode
 (full, LoRA), gradient checkpointing, and wrap it in a DeepSpeed engine with the planned config.
 
-Model code knows nothing of ZeRO (DESIGN rule 1). The model is loaded whole on the host and
-DeepSpeed partitions it at initialize; zero.Init is not used, because it partitions Flux's
-embedding while it is being built ("'weight' must be 2-D", SimpleTuner#1239).
+Model code knows nothing of ZeRO (DESIGN rule 1). zerotrain.loading loads the model (at ZeRO-3
+already partitioned, one parameter at a time); zero.Init is never a construction context, because
+it partitions Flux's embedding while it is being built ("'weight' must be 2-D", SimpleTuner#1239).
 
 LoRA over a quantized base: DeepSpeed moves, casts and (ZeRO-3) partitions every parameter of the
 module it is given, and optimum-quanto's weights break there ("_apply(): Couldn't swap
@@ -52,6 +52,18 @@ def quantize_base(model: torch.nn.Module, quantization: Quantization) -> str:
     after = sum(quanto_bytes(p) for p in model.parameters())
     return (f"quantized the frozen base to {quantization.value} with optimum-quanto: {layers} layers, "
             f"{_size(before)} -> {_size(after)}")
+
+
+def quantized(model: torch.nn.Module) -> bool:
+    """Whether the model's base is quantized already (zerotrain.loading quantizes as it loads)."""
+    from optimum import quanto
+
+    return any(isinstance(m, quanto.QModuleMixin) for m in model.modules())
+
+
+def numel(param: torch.nn.Parameter) -> int:
+    """Elements of a parameter, whole also where ZeRO-3 holds only its partition (ds_numel)."""
+    return getattr(param, "ds_numel", param.numel())
 
 
 def _size(n: int) -> str:
@@ -109,7 +121,7 @@ def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig,
     the ZeRO stage allow (compile_choice; stage None: not compiled). Returns what was done, in lines
     for the log."""
     done = []
-    if run.training.quantize_base is not Quantization.none:
+    if run.training.quantize_base is not Quantization.none and not quantized(model):
         done.append(quantize_base(model, run.training.quantize_base))
     if run.training.mode is Mode.lora:
         from zerotrain.planner.trace import apply_lora
@@ -124,7 +136,7 @@ def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig,
         families.of(spec).enable_checkpointing(model, some,
                                                recompute.OffloadingCheckpoint() if offload_activations else None)
     model.train()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     checkpointing = "" if not gradient_checkpointing else ", gradient checkpointing" + (
         f" of {len(some)} blocks ({', '.join(some[:3])}{', ...' if len(some) > 3 else ''})" if some else "") + (
         offload_line(offload_activations))

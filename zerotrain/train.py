@@ -246,17 +246,18 @@ def pinning_warning(run: RunConfig, planned: RunPlan, device: torch.device, topo
 def build_trainer(planned: RunPlan, folder: Path, topo: Topology, device: torch.device, loader, sampler) -> Trainer:
     """The model as planned (mode, checkpointing, offload, compilation), the engine, the EMA, and the
     loop's components."""
+    from zerotrain import loading
     from zerotrain.ema import ShardedEMA
-    from zerotrain.engine import apply_mode, build_engine, load_denoiser
+    from zerotrain.engine import apply_mode, build_engine
     from zerotrain.objectives import make_objective
 
     run, spec, layout = planned.run, planned.spec, planned.layout
     scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
     torch.manual_seed(run.training.seed)  # LoRA's initial weights come from torch's global generator
-    model = load_denoiser(spec, folder)
+    model, done = loading.load(spec, folder, run, topo, device, planned.config)
     checkpointing = planned.result.checkpointed(layout)  # every block (True), the named ones, or none ([])
-    done = apply_mode(model, spec, run, checkpointing, layout.offload_activations, layout.stage)
+    done += apply_mode(model, spec, run, checkpointing, layout.offload_activations, layout.stage)
     if topo.is_main:
         print("\n".join(done), flush=True)
     engine = build_engine(model, planned.config, run, device)

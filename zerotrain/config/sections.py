@@ -50,6 +50,11 @@ class Quantization(str, Enum):
     qint4 = "qint4"
 
 
+class Loading(str, Enum):
+    auto = "auto"
+    whole = "whole"
+
+
 class ModelConfig(_Section):
     name_or_path: str = "flux-dev"
     """A catalog name (flux-dev, sdxl-base, tiny-flux, ...), a diffusers model config.json, a local
@@ -59,6 +64,12 @@ class ModelConfig(_Section):
     when not given."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids."""
+    load: Loading = Loading.auto
+    """How the ranks of a node load the denoiser. auto: about one model copy of host RAM per node
+    (ZeRO-3: rank 0 reads each weight from the memory-mapped safetensors and DeepSpeed keeps each
+    rank's partition; ZeRO 0-2 and a quantized base on GPUs: the ranks of a node load in turn, each
+    moving its copy to its GPU before the next starts). whole: every rank loads the whole model on
+    the host at once (one copy per rank)."""
 
 
 class LoraConfig(_Section):
