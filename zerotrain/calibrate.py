@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from zerotrain import families
 from zerotrain.config.flags import add_plan_flags, config_from_args
-from zerotrain.config.sections import RunConfig
+from zerotrain.config.sections import Loading, RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.planner import calibration
 from zerotrain.planner.memory import Layout
@@ -455,8 +455,11 @@ def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: 
 
     spec = reduced_spec(resolve_model(run.model), args.blocks)
     family = families.of(spec).name
+    # Every rank builds its own model from the config (build_model): the plans count a whole copy
+    # per rank to load, as model.load: whole does.
     run = run.model_copy(update={"training": run.training.model_copy(update={
-        "global_batch_size": max(run.training.global_batch_size // topo.world_size, 1) * topo.world_size})})
+        "global_batch_size": max(run.training.global_batch_size // topo.world_size, 1) * topo.world_size}),
+        "model": run.model.model_copy(update={"load": Loading.whole})})
     facts = measure_model(spec, run) if topo.is_main else None
     facts = gather_objects(facts)[0]
     planned = plan_for_run(run, spec, topo.world_size, facts=facts, calibrated=False)

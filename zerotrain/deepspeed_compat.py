@@ -28,6 +28,11 @@ The reaches, by what they serve, and their guard:
 - CPU Adam's bias-correction replay after a resume (replay_adam_steps): the C++ op's
   adam_update, called positionally (csrc/adam/cpu_adam.cpp). Guard: only on a tested version;
   elsewhere a resumed run may differ from an uninterrupted one in the last bit, and a warning says so.
+- ZeRO-3 partitions made before initialize (Partitioner, for zerotrain.loading): zero.Init(module=...)
+  with the arguments initialize passes it, then the converted parameters' own
+  convert_to_zero_parameters, as runtime/zero/parameter_offload.py does; its _keep_in_fp32 at the
+  end. Guard: the attributes are checked, and a missing one stops with one line (model.load: whole
+  loads the old way).
 - The optimizer's master dtype (master_dtype) and DeepSpeed's op report for `zerotrain doctor`
   (op_report: git_version_info, op_builder.all_ops).
 

@@ -23,9 +23,9 @@ one of three ways; the planner counts the same (planner.memory.host_bytes, "mode
   the next starts: one copy at a time. The base is quantized by every rank, not once per node:
   optimum-quanto's weights are tensor subclasses torch.distributed does not send, and quantizing
   is deterministic, so each rank's base is the same; it costs start-up time, not memory.
-- whole: every rank loads the whole model at once (model.load: whole; the CPU accelerator, where
-  host and device are one memory; NVMe parameter offload; weights that are not safetensors with
-  the model's own names, as the run's log says)."""
+- whole: every rank loads the whole model at once (model.load: whole; ZeRO 0-2 on the CPU
+  accelerator, where host and device are one memory; NVMe parameter offload; weights that are not
+  safetensors with the model's own names, as the run's log says)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def load(spec: ModelSpec, folder: Path, run: RunConfig, topo: Topology, device: 
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     weights = weight_files(spec, folder)
     model = None
-    if stage == 3 and not isinstance(weights, str):
+    if (stage == 3 and not isinstance(weights, str) and run.model.load is Loading.auto
+            and run.training.quantize_base is Quantization.none):
         model = skeleton(spec, folder)
         names = mismatch(model, weights, folder)
         if names:

@@ -91,6 +91,8 @@ class Sizes:
     """ZeRO-3: parameters below stage3_param_persistence_threshold, kept whole on every GPU."""
     load_bytes_per_param: int = LP
     """How each process materialises the model on the host before DeepSpeed takes it."""
+    load_whole: bool = False
+    """model.load: whole: every rank loads the whole model on the host at once."""
     total_params: int = 0
     param_numels: tuple[int, ...] = ()
     """Elements of every parameter: DeepSpeed pins some host buffers per parameter, and each
@@ -320,8 +322,9 @@ def init_transient(layout: Layout, s: Sizes, b: Buffers) -> int:
       zero fp32 gradient partition beside the master (both on the host when offloaded). Above the
       flat parameters and the master partition it leaves: the larger of the two.
     - ZeRO-3 (stage3.py initialize_optimizer_states): a zero fp32 gradient buffer of the largest
-      sub-group's partition, as at the step (on the host when offloaded). zerotrain loads the model
-      on the host, and DeepSpeed copies each parameter's partition to the GPU."""
+      sub-group's partition, as at the step (on the host when offloaded). zerotrain.loading has
+      converted the model one parameter at a time before (a whole parameter on the GPU, then its
+      partition)."""
     if layout.stage == 0:
         return FP32 * s.trainable_params
     if layout.stage == 3:
@@ -500,15 +503,36 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
     return out
 
 
+def partitioned_load(layout: Layout, s: Sizes) -> bool:
+    """Whether zerotrain.loading loads this layout's model partitioned (ZeRO-3, the base not
+    quantized, parameters not offloaded to NVMe), as loading.choose decides."""
+    return not s.load_whole and layout.stage == 3 and s.frozen_shardable and layout.offload_param != "nvme"
+
+
+def load_bytes(layout: Layout, s: Sizes) -> int:
+    """Host RAM per node while the model loads (zerotrain.loading):
+    - partitioned: the file's pages once on rank 0's node (rank 0 reads every weight) and one
+      parameter in flight per rank; the partitions kept on the host are the offload's;
+    - staggered (ZeRO 0-2 or a quantized base, model.load: auto): one rank's copy at a time (a
+      quantized base replaces the bf16 weights layer by layer as optimum-quanto freezes them);
+    - whole (model.load: whole; ZeRO-3 with the parameters offloaded to NVMe): a copy per rank
+      (a checkpoint stored in bf16 loads memory-mapped, and the ranks share the page cache until
+      DeepSpeed writes to it; one stored in fp32 converts on every rank)."""
+    copy = s.load_bytes_per_param * (s.total_params or s.trainable_params)
+    if partitioned_load(layout, s):
+        largest = max(s.param_numels, default=s.largest_layer_params)
+        return copy + s.gpus_per_node * s.load_bytes_per_param * largest
+    if s.load_whole or (layout.stage == 3 and s.frozen_shardable):  # NVMe: initialize converts it whole
+        return s.gpus_per_node * copy
+    return copy
+
+
 def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, int]:
-    """Host RAM per node, by phase: loading (every process materialises the model once before
-    DeepSpeed takes it) and offload (the node's ranks' offload buffers, each pinned allocation
-    as torch's host allocator rounds it)."""
+    """Host RAM per node, by phase: loading (load_bytes) and offload (the node's ranks' offload
+    buffers, each pinned allocation as torch's host allocator rounds it)."""
     b = b or Buffers()
-    total = s.total_params or s.trainable_params
-    load = s.gpus_per_node * s.load_bytes_per_param * total
     offload = sum(host_buffers(layout, s, b).values())
-    return {"model load": int(load), "offload": int(offload * b.host_offload_factor)}
+    return {"model load": int(load_bytes(layout, s)), "offload": int(offload * b.host_offload_factor)}
 
 
 def host_buffers(layout: Layout, s: Sizes, b: Buffers) -> dict[str, int]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerotrain import optimizers
-from zerotrain.config.sections import Quantization, RunConfig
+from zerotrain.config.sections import Loading, Quantization, RunConfig
 from zerotrain.deepspeed_compat import sharing_in_force
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
@@ -135,6 +135,7 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         total_params=facts.total_params, param_numels=tuple(facts.param_numels),
         all_trainable=facts.trainable_params == facts.total_params,
         offload_activation_bytes=tuple(facts.offload_input_bytes),
+        load_whole=run.model.load is Loading.whole,
     )
 
 
