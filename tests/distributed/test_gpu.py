@@ -81,3 +81,19 @@ def test_the_oom_handler_reports_the_measured_peak(shared_cache, tmp_path):
     assert re.search(r"CUDA out of memory at step 2 with ZeRO-\d.*the peak measured on this rank was "
                      r"\d+\.\d GiB allocated, \d+\.\d GiB reserved", line), line
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("stage, how", [(3, "rank 0 reads each weight"), (2, "the ranks of a node load in turn")])
+def test_a_cuda_load_trains_as_a_whole_load(shared_cache, tmp_path, stage, how):
+    """zerotrain.loading on CUDA: ZeRO-3 partitioned from the safetensors onto the GPU, ZeRO-2 in
+    turns (moved to the GPU before the engine): the same losses as every rank loading whole."""
+    losses = {}
+    for load in ("auto", "whole"):
+        (tmp_path / load).mkdir()
+        done = train_on_gpu(shared_cache, tmp_path / load, f"planner.stages=[{stage}]", "planner.offload=[none]",
+                            f"model.load={load}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (how if load == "auto" else "every rank loads the whole model") in done.stdout, done.stdout[-2000:]
+        lines = (tmp_path / load / "run" / "metrics.jsonl").read_text().splitlines()
+        losses[load] = [json.loads(line)["loss"] for line in lines]
+    assert len(losses["auto"]) == 3 and losses["auto"] == losses["whole"], losses
