@@ -22,6 +22,9 @@ and export it: the EMA is saved with
 each checkpoint, resumed, and exported instead of the trained weights, so the exported tensors of
 A and B are the EMA's and must be equal too; they must also differ from the trained weights.
 
+Half the samples train with the empty caption (data.caption_dropout=0.5): the sampler draws which
+from the seed and the epoch, so the resumed run must draw the same ones.
+
 A checkpoint restores DeepSpeed's engine (bf16 weights, fp32 master, Adam moments, step
 counters, LR scheduler), the sampler position and every generator, and the run is
 deterministic on CPU (single-threaded, same data cache, same partitioning), so the per-step
@@ -65,7 +68,8 @@ def test_resumed_run_matches_uninterrupted_run(train, stage, optimizer):
               f"training.checkpoint_every={CHECKPOINT_AT}", "training.resume=auto",
               "ema.enabled=true", "ema.decay=0.8", "ema.start_step=1", "ema.export=true",
               "validation.prompts=[a red square]", f"validation.every={CHECKPOINT_AT}", "validation.steps=2",
-              "validation.use_ema=true", f"optimizer.warmup_steps={WARMUP}", "optimizer.schedule=cosine")
+              "validation.use_ema=true", f"optimizer.warmup_steps={WARMUP}", "optimizer.schedule=cosine",
+              "data.caption_dropout=0.5")
     a = train("A", *common, f"training.max_steps={STEPS}").check()
     b1 = train("B", *common, f"training.max_steps={CHECKPOINT_AT}").check()
     assert "resumed from" not in b1.log

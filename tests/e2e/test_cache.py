@@ -168,3 +168,33 @@ def test_cache_command_prints_summary_and_histogram(model_dir, images, tmp_path,
     # Six images in several buckets cannot fill a global batch of 8 from one bucket.
     assert "warning: training.global_batch_size=8: no bucket holds a whole global batch" in out
     shutil.rmtree(tmp_path / "cache")
+
+
+def test_caption_variants_and_the_empty_caption_are_cached_and_read_as_the_sampler_chooses(model_dir, images,
+                                                                                          tmp_path):
+    """Issue 25: each image's tag orders are encoded once each, the empty caption once for all, and
+    a (sample, choice) pair reads the chosen text's embedding; the loader's batches follow the
+    sampler's choices."""
+    for n in range(len(SIZES)):
+        (images / f"img{n}.txt").write_text(f"tag{n}, red, box, gradient")
+    run = run_config(model_dir, images, tmp_path, "data.caption_dropout=0.3",
+                     f"data.datasets=[{{path: {images}, shuffle_tags: 3, keep_tags: 1}}]")
+    spec = resolve_model(run.model)
+    prepared = prepare(run, spec, SINGLE)
+    variants = sum(len(p.text_keys) for p in prepared.planned)
+    assert variants > len(SIZES) and prepared.report.texts_encoded == variants + 1  # + the empty caption
+    assert len({p.empty_key for p in prepared.planned}) == 1
+    dataset = CachedDataset(prepared.planned, run.data.cache_dir)
+    encoders = load_encoders(spec, model_dir)
+    planned = prepared.planned[0]
+    for choice, text in [(-1, ""), *enumerate(planned.item.texts)]:
+        direct = encode_prompts(encoders, [text], 512)
+        sample = dataset[(0, choice)]
+        assert torch.allclose(sample["prompt_embeds"].float(), direct["prompt_embeds"][0], rtol=1e-2, atol=1e-3)
+    loader, sampler = make_loader(prepared, run, 1, SINGLE)
+    choices = sampler.text_choices()
+    assert choices is not None and set(choices.tolist()) <= {-1, *range(max(len(p.text_keys) for p in prepared.planned))}
+    first = next(iter(loader))
+    [(index, choice)] = next(iter(sampler))
+    expected = dataset[(index, choice)]
+    assert torch.equal(first["prompt_embeds"][0], expected["prompt_embeds"])

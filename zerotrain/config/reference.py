@@ -5,6 +5,7 @@ the two in sync)."""
 from __future__ import annotations
 
 import json
+import typing
 from enum import Enum
 
 from pydantic import BaseModel
@@ -13,6 +14,8 @@ from zerotrain.config.sections import RunConfig
 
 
 def _default(field) -> str:
+    if field.is_required():
+        return "required"
     if field.default_factory is not None:
         value = field.default_factory()
         return "" if isinstance(value, BaseModel) else f"`{json.dumps(value)}`"
@@ -39,12 +42,15 @@ def reference() -> str:
                   "| field | default | meaning |", "| --- | --- | --- |"]
         for name, sub in model.model_fields.items():
             nested = sub.annotation
+            items = typing.get_args(nested)[0] if typing.get_origin(nested) is list else None
             if isinstance(nested, type) and issubclass(nested, BaseModel):
-                for leaf, leaf_field in nested.model_fields.items():
-                    lines.append(f"| `{section}.{name}.{leaf}` | {_default(leaf_field)} | "
-                                 f"{' '.join((leaf_field.description or '').split())} |")
-            else:
+                rows = [(f"{section}.{name}.{leaf}", leaf_field) for leaf, leaf_field in nested.model_fields.items()]
+            elif isinstance(items, type) and issubclass(items, BaseModel):  # each entry of a list
                 lines.append(f"| `{section}.{name}` | {_default(sub)} | {' '.join((sub.description or '').split())} |")
+                rows = [(f"{section}.{name}[].{leaf}", leaf_field) for leaf, leaf_field in items.model_fields.items()]
+            else:
+                rows = [(f"{section}.{name}", sub)]
+            lines += [f"| `{key}` | {_default(row)} | {' '.join((row.description or '').split())} |" for key, row in rows]
     return "\n".join(lines)
 
 

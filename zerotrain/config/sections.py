@@ -153,6 +153,20 @@ class DatasetConfig(_Section):
     """How many times each image of this dataset counts per epoch."""
     caption_extension: str = ".txt"
     """Extension of sidecar caption files (folders only)."""
+    caption_prefix: str = ""
+    """Put before every caption of this dataset, e.g. a trigger word: "ohwx person, "."""
+    caption_per_line: bool = False
+    """Each non-empty line of a caption file is a caption of its own, and each sample draws one of
+    them (a manifest's "caption" may be a list of captions either way)."""
+    shuffle_tags: int = Field(0, ge=0, le=64)
+    """K > 0: each caption's comma-separated tags are shuffled into K orders (the first keep_tags
+    stay in place), each order encoded and cached, and each sample draws one (kohya's
+    shuffle_caption). The cache holds K text embeddings per caption. 0: captions as written."""
+    keep_tags: int = Field(0, ge=0)
+    """With shuffle_tags: how many leading tags keep their place (kohya's keep_tokens)."""
+    caption_dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    """This dataset's share of samples trained with the empty caption; data.caption_dropout when not
+    given."""
 
     @field_validator("path")
     @classmethod
@@ -193,6 +207,10 @@ class DataConfig(_Section):
     """Abort when more than this fraction of the images is rejected."""
     missing_caption: Literal["empty", "filename", "skip"] = "empty"
     """An image without a caption trains with an empty caption, its file name, or is skipped."""
+    caption_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of samples trained with the empty caption (its embedding is cached once), so that the
+    model keeps the unconditional branch classifier-free guidance uses; SimpleTuner's default is
+    0.05. Drawn per sample from the seed and the epoch, so a resume draws the same."""
     flip: bool = False
     """Also cache horizontally flipped latents and use them for half of the samples."""
     cache_dir: Path = Path("cache")

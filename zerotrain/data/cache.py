@@ -65,7 +65,22 @@ class Planned:
     crop: CropPlan
     bucket_id: int
     latent_key: str
-    text_key: str
+    text_keys: tuple[str, ...]
+    """One per text the item may train with (Item.texts), in that order."""
+    empty_key: str = ""
+    """The empty caption's key where the item's samples drop their caption (caption_dropout), else ""."""
+
+    @property
+    def text_key(self) -> str:
+        return self.text_keys[0]
+
+    def all_text_keys(self) -> list[str]:
+        """Every text key a sample of this item may read."""
+        return [*self.text_keys, *([self.empty_key] if self.empty_key else [])]
+
+    def texts(self) -> dict[str, str]:
+        """Text key -> the text it encodes."""
+        return {**dict(zip(self.text_keys, self.item.texts)), **({self.empty_key: ""} if self.empty_key else {})}
 
 
 def _digest(*parts: Any) -> str:
@@ -110,9 +125,15 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
         stat = item.image.stat()
         latent_key = _digest(CACHE_VERSION, str(item.image.resolve()), stat.st_size, stat.st_mtime_ns, crop,
                              identity, str(STORE_DTYPE), data.flip)
-        text_key = _digest(CACHE_VERSION, item.caption, identity, text_tokens, spec.family)
-        planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_key))
+        text_keys = tuple(text_key(text, identity, text_tokens, spec) for text in item.texts)
+        empty = text_key("", identity, text_tokens, spec) if item.caption_dropout > 0 else ""
+        planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_keys, empty))
     return planned, skipped
+
+
+def text_key(text: str, identity: str, text_tokens: int, spec: ModelSpec) -> str:
+    """A caption's content address: the text, the text encoders' identity and the sequence length."""
+    return _digest(CACHE_VERSION, text, identity, text_tokens, spec.family)
 
 
 def shard_index(folder: Path) -> dict[str, str]:
@@ -173,9 +194,9 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
     # Every rank must see the same cache before anyone writes, or the shares would not line up.
     barrier()
     unique_latents = {p.latent_key: p for p in planned}
-    unique_texts = {p.text_key: p for p in planned}
+    unique_texts = {key: text for p in planned for key, text in p.texts().items()}
     missing_latents = [p for key, p in unique_latents.items() if key not in have_latents]
-    missing_texts = [p for key, p in unique_texts.items() if key not in have_texts]
+    missing_texts = [(key, text) for key, text in unique_texts.items() if key not in have_texts]
     # Work is dealt out in whole same-bucket batches, so the cache does not depend on the world size.
     by_bucket: dict[int, list[Planned]] = {}
     for p in missing_latents:
@@ -196,9 +217,9 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
                 for shard in _chunks(mine_text_batches, SHARD_ITEMS // batch_size or 1):
                     tensors = {}
                     for batch in shard:
-                        out = encode_prompts(encoders, [p.item.caption for p in batch], text_tokens)
-                        for i, p in enumerate(batch):
-                            tensors.update({f"{p.text_key}.{name}": value[i].to(STORE_DTYPE).cpu()
+                        out = encode_prompts(encoders, [text for _, text in batch], text_tokens)
+                        for i, (key, _) in enumerate(batch):
+                            tensors.update({f"{key}.{name}": value[i].to(STORE_DTYPE).cpu()
                                             for name, value in out.items()})
                         bars.advance(captions, len(batch))
                     write_shard(text_dir, rank, tensors)
@@ -274,7 +295,8 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def __init__(self, planned: list[Planned], root: Path, flip: bool = False) -> None:
         index = read_index(root)
-        missing = [p for p in planned if p.latent_key not in index["latents"] or p.text_key not in index["text"]]
+        missing = [p for p in planned if p.latent_key not in index["latents"]
+                   or any(key not in index["text"] for key in p.all_text_keys())]
         if missing:
             raise ZerotrainError(f"{len(missing)} images are not in the cache at {root} (first: {missing[0].item.image}); "
                                  "run `zerotrain cache --config ...` first")
@@ -291,10 +313,14 @@ class CachedDataset(torch.utils.data.Dataset):
             handle = self._handles[f"{kind}/{name}"] = safe_open(self.root / kind / name, framework="pt")
         return handle
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int | tuple[int, int]) -> dict[str, torch.Tensor]:
+        """Sample i, or (i, choice) as the sampler's text_choices give it: the choice-th of its
+        texts, or the empty caption for -1."""
+        i, choice = i if isinstance(i, tuple) else (i, 0)
         p = self.planned[i]
+        key = p.empty_key if choice < 0 else p.text_keys[choice]
         latents = self._open("latents", self.index["latents"][p.latent_key])
-        text = self._open("text", self.index["text"][p.text_key])
+        text = self._open("text", self.index["text"][key])
         sample = {
             "latent_mean": latents.get_tensor(f"{p.latent_key}.mean"),
             "latent_std": latents.get_tensor(f"{p.latent_key}.std"),
@@ -305,8 +331,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if self.flip:  # horizontally flipped moments; the training step picks one of the two per sample
             sample["latent_flip_mean"] = latents.get_tensor(f"{p.latent_key}.flip_mean")
             sample["latent_flip_std"] = latents.get_tensor(f"{p.latent_key}.flip_std")
-        for name in self._names(self.index["text"][p.text_key], text)[p.text_key]:
-            sample[name] = text.get_tensor(f"{p.text_key}.{name}")
+        for name in self._names(self.index["text"][key], text)[key]:
+            sample[name] = text.get_tensor(f"{key}.{name}")
         return sample
 
     def _names(self, shard: str, handle: Any) -> dict[str, list[str]]:

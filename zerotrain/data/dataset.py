@@ -4,7 +4,9 @@ reason for every file that cannot be used."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,14 @@ class Item:
     height: int
     dataset: int
     repeats: int
+    captions: tuple[str, ...] = ()
+    """Every text a sample of this image may train with (caption_variants); (caption,) when empty."""
+    caption_dropout: float = 0.0
+    """The share of its samples trained with the empty caption."""
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return self.captions or (self.caption,)
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,37 @@ def read_caption(path: Path) -> str:
     return path.read_bytes().decode("utf-8").strip()
 
 
-def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[Path, str | None]]:
+def shuffled_tags(caption: str, orders: int, keep: int) -> list[str]:
+    """The caption's comma-separated tags in `orders` shuffled orders (the first `keep` in place),
+    drawn from a generator seeded by the caption itself, so that the same caption always gives the
+    same orders and the cache stays valid; fewer when there are fewer distinct orders."""
+    tags = [tag.strip() for tag in caption.split(",") if tag.strip()]
+    fixed, rest = tags[:keep], tags[keep:]
+    if orders == 0 or len(rest) < 2:
+        return [caption]
+    rng = random.Random(hashlib.sha256(caption.encode()).hexdigest())
+    out = []
+    for _ in range(orders):
+        rng.shuffle(rest)
+        out.append(", ".join(fixed + rest))
+    return list(dict.fromkeys(out))
+
+
+def caption_variants(texts: list[str], dataset: DatasetConfig) -> tuple[str, ...]:
+    """Every text the cache encodes for one image: each of its captions, in each of its tag orders
+    (shuffle_tags), after the dataset's caption_prefix; duplicates once, in order."""
+    out = [dataset.caption_prefix + variant for text in texts
+           for variant in shuffled_tags(text, dataset.shuffle_tags, dataset.keep_tags)]
+    return tuple(dict.fromkeys(out))
+
+
+def _caption_texts(text: str, dataset: DatasetConfig) -> list[str]:
+    if not dataset.caption_per_line:
+        return [text]
+    return [line.strip() for line in text.splitlines() if line.strip()] or [""]
+
+
+def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[Path, list[str] | None]]:
     """(image, caption or None when it has no caption file) for a folder; notes stray captions."""
     files = sorted(p for p in dataset.path.rglob("*") if p.is_file() and not p.name.startswith("."))
     images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
@@ -85,13 +125,13 @@ def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[
             entries.append((image, None))
             continue
         try:
-            entries.append((image, read_caption(caption_file)))
+            entries.append((image, _caption_texts(read_caption(caption_file), dataset)))
         except UnicodeDecodeError:
             discovery.verdicts.append(Verdict(image, f"caption not UTF-8 ({caption_file.name})"))
     return entries
 
 
-def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[Path, str | None]]:
+def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[Path, list[str] | None]]:
     root = dataset.path.parent
     entries = []
     for number, line in enumerate(dataset.path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -100,13 +140,16 @@ def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tupl
         try:
             record = json.loads(line)
             image, caption = record["image"], record.get("caption")
-            if not isinstance(image, str) or not (caption is None or isinstance(caption, str)):
+            captions = [caption] if isinstance(caption, str) else caption
+            if not isinstance(image, str) or not (captions is None or (
+                    isinstance(captions, list) and captions and all(isinstance(c, str) for c in captions))):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
             discovery.verdicts.append(Verdict(dataset.path, f"manifest line {number} is not "
-                                              '{"image": path, "caption": text}'))
+                                              '{"image": path, "caption": text or [texts]}'))
             continue
-        entries.append((root / image, caption))
+        texts = None if captions is None else [t for c in captions for t in _caption_texts(c.strip(), dataset)]
+        entries.append((root / image, texts))
     return entries
 
 
@@ -125,22 +168,25 @@ def discover(data: DataConfig) -> Discovery:
         else:
             raise ZerotrainError(f"data.datasets[{index}].path: {dataset.path} is neither a folder nor a .jsonl "
                                  "manifest")
-        for image, caption in entries:
+        dropout = data.caption_dropout if dataset.caption_dropout is None else dataset.caption_dropout
+        for image, texts in entries:
             if not image.is_file():
                 discovery.verdicts.append(Verdict(image, "missing file"))
                 continue
-            if caption is None:
+            if texts is None:
                 if data.missing_caption == "skip":
                     discovery.verdicts.append(Verdict(image, "no caption (skipped by data.missing_caption)"))
                     continue
-                caption = image.stem.replace("_", " ") if data.missing_caption == "filename" else ""
+                texts = [image.stem.replace("_", " ") if data.missing_caption == "filename" else ""]
                 discovery.verdicts.append(Verdict(image, f"no caption (using {data.missing_caption})", rejected=False))
             try:
                 info: ImageInfo = probe(image, data.min_image_size, data.max_image_pixels)
             except ImageRejected as err:
                 discovery.verdicts.append(Verdict(image, err.reason))
                 continue
-            discovery.items.append(Item(image, caption, info.width, info.height, index, dataset.repeats))
+            variants = caption_variants(texts, dataset)
+            discovery.items.append(Item(image, variants[0], info.width, info.height, index, dataset.repeats,
+                                        variants, dropout))
     return discovery
 
 

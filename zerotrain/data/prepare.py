@@ -57,8 +57,9 @@ class Prepared:
 def bucket_sampler(prepared: Prepared, global_batch: int, micro_batch: int, topo: Topology,
                    seed: int) -> BucketBatchSampler:
     try:
-        return BucketBatchSampler([prepared.planned[i].bucket_id for i in prepared.samples], global_batch,
-                                  micro_batch, topo.world_size, topo.rank, seed)
+        samples = [prepared.planned[i] for i in prepared.samples]
+        return BucketBatchSampler([p.bucket_id for p in samples], global_batch, micro_batch, topo.world_size,
+                                  topo.rank, seed, [(len(p.text_keys), p.item.caption_dropout) for p in samples])
     except ValueError as err:
         raise ZerotrainError(f"training.global_batch_size={global_batch}: {err}") from err
 
@@ -85,7 +86,8 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
     kept = [p for p in planned if p.item.image not in bad]
     if topo.is_main:
         index = write_index(run.data.cache_dir)
-        absent = [p for p in kept if p.latent_key not in index["latents"] or p.text_key not in index["text"]]
+        absent = [p for p in kept if p.latent_key not in index["latents"]
+                  or any(key not in index["text"] for key in p.all_text_keys())]
         if absent:
             raise ZerotrainError(f"the cache at {run.data.cache_dir} lacks {len(absent)} entries after the build "
                                  f"(first: {absent[0].item.image}); run zerotrain cache again")

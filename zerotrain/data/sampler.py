@@ -63,9 +63,12 @@ class BucketBatchSampler:
 
     def __init__(
         self, buckets: list[int], global_batch: int, micro_batch: int, world_size: int, rank: int, seed: int,
+        texts: list[tuple[int, float]] | None = None,
     ) -> None:
         """buckets[i] is the bucket id of sample i; with dataset repeats, a repeated image appears
-        once per repeat and each appearance is its own sample."""
+        once per repeat and each appearance is its own sample. texts[i]: how many texts sample i
+        may train with and its caption dropout; where any sample has a choice, the micro-batches
+        hold (sample, text) pairs (text_choices)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if micro_batch < 1 or global_batch < 1 or global_batch % (micro_batch * world_size):
@@ -104,6 +107,12 @@ class BucketBatchSampler:
         self._epoch = 0
         self._step = 0
         self._groups: np.ndarray | None = None
+        texts = texts or []
+        if texts and len(texts) != ids.size:
+            raise ValueError(f"{len(texts)} text choices for {ids.size} samples")
+        choosing = any(count > 1 or dropout > 0 for count, dropout in texts)
+        self._texts = (np.asarray([c for c, _ in texts]), np.asarray([d for _, d in texts])) if choosing else None
+        self._choices: np.ndarray | None = None
 
     def plan(self) -> EpochPlan:
         return self._plan
@@ -114,7 +123,7 @@ class BucketBatchSampler:
         if epoch < 0:
             raise ValueError(f"epoch must be non-negative, got {epoch}")
         if epoch != self._epoch:
-            self._epoch, self._step, self._groups = epoch, 0, None
+            self._epoch, self._step, self._groups, self._choices = epoch, 0, None, None
 
     def advance(self, steps: int = 1) -> None:
         """Record that the training loop finished this many more optimizer steps of the epoch."""
@@ -140,12 +149,32 @@ class BucketBatchSampler:
             self._groups = stacked[rng.permutation(len(stacked))]
         return self._groups
 
-    def __iter__(self) -> Iterator[list[int]]:
-        """This rank's micro-batches from the current position to the end of the epoch. The
+    def text_choices(self) -> np.ndarray | None:
+        """Per sample of the current epoch, the text it trains with: an index into its texts, or
+        -1 for the empty caption (with probability its caption dropout, else one of its texts
+        uniformly). Drawn from (seed, epoch) alone, so the same on any world size and on resume;
+        None where no sample has a choice."""
+        if self._texts is None:
+            return None
+        if self._choices is None:
+            entropy = np.random.SeedSequence([self.seed % 2**64, self._epoch, 1]).generate_state(4)
+            draws = np.random.RandomState(entropy).random_sample((2, self.num_samples))
+            counts, dropout = self._texts
+            picks = np.minimum((draws[1] * counts).astype(np.int64), counts - 1)
+            self._choices = np.where(draws[0] < dropout, -1, picks)
+        return self._choices
+
+    def __iter__(self) -> Iterator[list]:
+        """This rank's micro-batches from the current position to the end of the epoch: lists of
+        sample indices, or of (sample, text choice) pairs where samples choose their text. The
         position is read here, when iteration starts, not at the first next()."""
         per_rank = self.micro_batch * self.accumulation
         mine = self._epoch_groups()[self._step:, self.rank * per_rank:(self.rank + 1) * per_rank]
-        return (micro_batch.tolist() for micro_batch in mine.reshape(-1, self.micro_batch))
+        choices = self.text_choices()
+        if choices is None:
+            return (micro_batch.tolist() for micro_batch in mine.reshape(-1, self.micro_batch))
+        return ([(i, int(choices[i])) for i in micro_batch.tolist()]
+                for micro_batch in mine.reshape(-1, self.micro_batch))
 
     def __len__(self) -> int:
         """Micro-batches this rank yields in a whole epoch (the same on every rank); an iteration
@@ -173,6 +202,6 @@ class BucketBatchSampler:
                 "cannot resume the sampling order exactly, the run changed since the checkpoint: "
                 + ", ".join(changed)
             )
-        self._epoch, self._step, self._groups = 0, 0, None
+        self._epoch, self._step, self._groups, self._choices = 0, 0, None, None
         self.set_epoch(int(state["epoch"]))
         self.advance(int(state["step"]))
