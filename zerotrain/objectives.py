@@ -105,6 +105,14 @@ def sample_posterior(mean: torch.Tensor, std: torch.Tensor, generator: torch.Gen
     return mean.float() + std.float() * _randn(mean.shape, generator, mean.device)
 
 
+def dataset_weights(batch: dict[str, torch.Tensor], weights: torch.Tensor | None) -> torch.Tensor | None:
+    """The per-sample weights times each sample's dataset loss_weight, where the batch carries them."""
+    if "loss_weight" not in batch:
+        return weights
+    mine = batch["loss_weight"].float().reshape(-1)
+    return mine if weights is None else weights.float() * mine.to(weights.device)
+
+
 def mse_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """Float32 scalar: the squared error averaged over every non-batch dim, times weights (B,) when
     given, averaged over the batch. A NaN stays a NaN: hiding one hides a diverged run."""
@@ -204,7 +212,7 @@ class FlowMatching:
         noise = _randn(x0.shape, generator, x0.device)
         x_t = flow_interpolate(x0, noise, sigma)
         kwargs, target = self.family.flow_inputs(self, x_t, flow_target(x0, noise), sigma, batch)
-        return Prepared(model_kwargs=kwargs, target=target, weights=None)
+        return Prepared(model_kwargs=kwargs, target=target, weights=dataset_weights(batch, None))
 
     def loss(self, pred: Any, prepared: Prepared) -> torch.Tensor:
         """pred: the first element of the denoiser's return_dict=False output."""
@@ -325,7 +333,7 @@ class DDPM:
         if self.min_snr_gamma is not None:
             snr = compute_snr(self.scheduler, timesteps)
             weights = min_snr_weights(snr, self.min_snr_gamma, self.prediction_type)
-        return Prepared(model_kwargs=kwargs, target=target, weights=weights)
+        return Prepared(model_kwargs=kwargs, target=target, weights=dataset_weights(batch, weights))
 
     def loss(self, pred: torch.Tensor, prepared: Prepared) -> torch.Tensor:
         return mse_loss(pred, prepared.target, prepared.weights)

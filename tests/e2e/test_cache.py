@@ -198,3 +198,13 @@ def test_caption_variants_and_the_empty_caption_are_cached_and_read_as_the_sampl
     [(index, choice)] = next(iter(sampler))
     expected = dataset[(index, choice)]
     assert torch.equal(first["prompt_embeds"][0], expected["prompt_embeds"])
+
+
+def test_a_datasets_loss_weight_reaches_the_batches(model_dir, images, tmp_path):
+    run = run_config(model_dir, images, tmp_path, f"data.datasets=[{{path: {images}, loss_weight: 0.5}}]")
+    prepared = prepare(run, resolve_model(run.model), SINGLE)
+    loader, _ = make_loader(prepared, run, 1, SINGLE)
+    assert [batch["loss_weight"].tolist() for batch in loader] == [[0.5]] * len(loader)
+    plain = run_config(model_dir, images, tmp_path)
+    loader, _ = make_loader(prepare(plain, resolve_model(plain.model), SINGLE), plain, 1, SINGLE)
+    assert "loss_weight" not in next(iter(loader))

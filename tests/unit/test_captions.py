@@ -110,3 +110,46 @@ def test_a_resume_draws_the_same_texts(stop):
     resumed = sampler(texts)
     resumed.load_state_dict(first.state_dict())
     assert list(resumed) == straight[stop * 8:]  # 8 micro-batches per optimizer step
+
+
+def test_a_share_sets_a_datasets_part_of_each_epoch_whatever_its_size(tmp_path):
+    """DreamBooth's prior preservation: 3 subject images repeated 10 times, and a regularisation set
+    of 50 images at half of each epoch, each with its loss weight."""
+    for n in range(3):
+        image(tmp_path / "subject" / f"{n}.png")
+    for n in range(50):
+        image(tmp_path / "reg" / f"{n}.png")
+    config = DataConfig(datasets=[{"path": str(tmp_path / "subject"), "repeats": 10},
+                                  {"path": str(tmp_path / "reg"), "share": 0.5, "loss_weight": 0.8}],
+                        min_image_size=16)
+    found = discover(config)
+    samples = found.samples(seed=1)
+    from_reg = [i for i in samples if found.items[i].dataset == 1]
+    assert len(samples) == 60 and len(from_reg) == 30  # 30 subject samples are the other half
+    assert len(set(from_reg)) == 30 and set(from_reg) != {
+        i for i in found.samples(seed=2) if found.items[i].dataset == 1}  # another seed, another subset
+    assert {found.items[i].loss_weight for i in from_reg} == {0.8}
+    # a share above the images' count repeats them
+    small = DataConfig(datasets=[{"path": str(tmp_path / "subject"), "share": 0.75},
+                                 {"path": str(tmp_path / "reg"), "share": 0.25}], min_image_size=16)
+    found = discover(small)
+    samples = found.samples()
+    assert len(samples) == 53 and sum(found.items[i].dataset == 0 for i in samples) == 40  # round(0.75 x 53)
+    with pytest.raises(ValueError, match="add up to 0.9, not 1"):
+        DataConfig(datasets=[{"path": str(tmp_path / "subject"), "share": 0.5},
+                             {"path": str(tmp_path / "reg"), "share": 0.4}])
+    with pytest.raises(ValueError, match="leaving nothing"):
+        DataConfig(datasets=[{"path": str(tmp_path / "subject"), "share": 1.0}, {"path": str(tmp_path / "reg")}])
+
+
+def test_a_datasets_loss_weight_weights_its_samples_loss():
+    import torch
+
+    from zerotrain.objectives import dataset_weights, mse_loss
+
+    pred, target = torch.zeros(2, 4), torch.ones(2, 4)
+    batch = {"loss_weight": torch.tensor([1.0, 0.25])}
+    assert mse_loss(pred, target, dataset_weights(batch, None)).item() == pytest.approx((1.0 + 0.25) / 2)
+    assert dataset_weights({}, None) is None
+    snr = torch.tensor([2.0, 2.0])
+    assert dataset_weights(batch, snr).tolist() == [2.0, 0.5]

@@ -167,6 +167,12 @@ class DatasetConfig(_Section):
     caption_dropout: float | None = Field(None, ge=0.0, lt=1.0)
     """This dataset's share of samples trained with the empty caption; data.caption_dropout when not
     given."""
+    share: float | None = Field(None, gt=0.0, le=1.0)
+    """This dataset's share of each epoch's samples, whatever its size (a DreamBooth regularisation
+    set at 0.5, say), instead of repeats: its images repeat, or a seeded subset of them is left
+    out, to make up the share. The datasets without a share fill the rest by their repeats."""
+    loss_weight: float = Field(1.0, gt=0.0)
+    """Weight of this dataset's samples in the loss (prior preservation's weight, for example)."""
 
     @field_validator("path")
     @classmethod
@@ -217,6 +223,17 @@ class DataConfig(_Section):
     """Where latents and text embeddings are cached (safetensors shards with an index)."""
     num_workers: int = Field(2, ge=0, le=64)
     """DataLoader worker processes per rank."""
+
+    @model_validator(mode="after")
+    def _shares(self) -> DataConfig:
+        shares = [d.share for d in self.datasets if d.share is not None]
+        total = sum(shares)
+        if shares and len(shares) == len(self.datasets) and abs(total - 1.0) > 1e-6:
+            raise ValueError(f"data.datasets: every dataset sets a share, and they add up to {total:g}, not 1")
+        if shares and len(shares) < len(self.datasets) and total >= 1.0:
+            raise ValueError(f"data.datasets: the shares add up to {total:g}, leaving nothing for the datasets "
+                             "without one; lower them below 1 in all")
+        return self
 
     @field_validator("background")
     @classmethod

@@ -293,7 +293,7 @@ class CachedDataset(torch.utils.data.Dataset):
     posterior, so training draws a fresh latent each time), the text conditioning, and the
     bucket, original size and crop offsets that SDXL's micro-conditioning needs."""
 
-    def __init__(self, planned: list[Planned], root: Path, flip: bool = False) -> None:
+    def __init__(self, planned: list[Planned], root: Path, flip: bool = False, loss_weights: bool = False) -> None:
         index = read_index(root)
         missing = [p for p in planned if p.latent_key not in index["latents"]
                    or any(key not in index["text"] for key in p.all_text_keys())]
@@ -301,6 +301,7 @@ class CachedDataset(torch.utils.data.Dataset):
             raise ZerotrainError(f"{len(missing)} images are not in the cache at {root} (first: {missing[0].item.image}); "
                                  "run `zerotrain cache --config ...` first")
         self.planned, self.root, self.flip, self.index = planned, root, flip, index
+        self.loss_weights = loss_weights  # each sample carries its dataset's loss_weight
         self._handles: dict[str, Any] = {}
         self._text_names: dict[str, list[str]] = {}
 
@@ -328,6 +329,8 @@ class CachedDataset(torch.utils.data.Dataset):
             "crop_top_left": torch.tensor((p.crop.crop_top, p.crop.crop_left)),
             "target_size": torch.tensor(p.crop.bucket[::-1]),
         }
+        if self.loss_weights:
+            sample["loss_weight"] = torch.tensor(p.item.loss_weight, dtype=torch.float32)
         if self.flip:  # horizontally flipped moments; the training step picks one of the two per sample
             sample["latent_flip_mean"] = latents.get_tensor(f"{p.latent_key}.flip_mean")
             sample["latent_flip_std"] = latents.get_tensor(f"{p.latent_key}.flip_std")

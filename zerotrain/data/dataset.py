@@ -34,6 +34,8 @@ class Item:
     """Every text a sample of this image may train with (caption_variants); (caption,) when empty."""
     caption_dropout: float = 0.0
     """The share of its samples trained with the empty caption."""
+    loss_weight: float = 1.0
+    """Its dataset's weight in the loss."""
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -50,18 +52,42 @@ class Verdict:
     """False for notes (e.g. a missing caption replaced by the policy)."""
 
 
+def epoch_samples(items: list[Item], shares: dict[int, float], seed: int = 0) -> list[int]:
+    """Item index of every sample of an epoch. An item of a dataset without a share repeats by its
+    dataset's count. A dataset with a share s gets round(s x N) samples, N being what makes the
+    datasets without a share the rest (1 - the shares) of the epoch, or, where every dataset has
+    a share, one sample per image: its images repeat as often as that allows, and a seeded subset
+    of them takes one more sample."""
+    members: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        members.setdefault(item.dataset, []).append(i)
+    free = [i for d, indices in members.items() if d not in shares for i in indices for _ in range(items[i].repeats)]
+    rest = 1.0 - sum(shares[d] for d in members if d in shares)
+    total = len(free) / rest if free and rest > 1e-9 else len(items)
+    samples = list(free)
+    for d, indices in members.items():
+        if d in shares:
+            count = max(1, round(shares[d] * total))
+            order = list(indices)
+            random.Random(f"{seed}-{d}").shuffle(order)
+            samples += indices * (count // len(indices)) + order[:count % len(indices)]
+    return sorted(samples)
+
+
 @dataclass
 class Discovery:
     items: list[Item] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
+    shares: dict[int, float] = field(default_factory=dict)
+    """Dataset index -> its share of each epoch, for the datasets that set one."""
 
     @property
     def rejected(self) -> list[Verdict]:
         return [v for v in self.verdicts if v.rejected]
 
-    def samples(self) -> list[int]:
-        """Item index per sample of an epoch, each item repeated by its dataset's count."""
-        return [i for i, item in enumerate(self.items) for _ in range(item.repeats)]
+    def samples(self, seed: int = 0) -> list[int]:
+        """Item index per sample of an epoch (epoch_samples)."""
+        return epoch_samples(self.items, self.shares, seed)
 
     def summary(self) -> list[str]:
         """Counts by reason with the first few paths, for the person running the job."""
@@ -169,6 +195,8 @@ def discover(data: DataConfig) -> Discovery:
             raise ZerotrainError(f"data.datasets[{index}].path: {dataset.path} is neither a folder nor a .jsonl "
                                  "manifest")
         dropout = data.caption_dropout if dataset.caption_dropout is None else dataset.caption_dropout
+        if dataset.share is not None:
+            discovery.shares[index] = dataset.share
         for image, texts in entries:
             if not image.is_file():
                 discovery.verdicts.append(Verdict(image, "missing file"))
@@ -186,7 +214,7 @@ def discover(data: DataConfig) -> Discovery:
                 continue
             variants = caption_variants(texts, dataset)
             discovery.items.append(Item(image, variants[0], info.width, info.height, index, dataset.repeats,
-                                        variants, dropout))
+                                        variants, dropout, dataset.loss_weight))
     return discovery
 
 

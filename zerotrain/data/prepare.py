@@ -20,7 +20,7 @@ from zerotrain.data.cache import (
     plan_items,
     write_index,
 )
-from zerotrain.data.dataset import Discovery, Verdict, discover, enforce
+from zerotrain.data.dataset import Discovery, Verdict, discover, enforce, epoch_samples
 from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
 from zerotrain.distributed import Topology, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
@@ -92,7 +92,7 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
             raise ZerotrainError(f"the cache at {run.data.cache_dir} lacks {len(absent)} entries after the build "
                                  f"(first: {absent[0].item.image}); run zerotrain cache again")
     barrier()
-    samples = [i for i, p in enumerate(kept) for _ in range(p.item.repeats)]
+    samples = epoch_samples([p.item for p in kept], discovery.shares, run.training.seed)
     discovery.verdicts += rejected
     enforce(discovery, run.data)
     return Prepared(discovery, kept, samples, report, rejected)
@@ -101,7 +101,8 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
 def make_loader(prepared: Prepared, run: RunConfig, micro_batch: int, topo: Topology,
                 pin_memory: bool = False) -> tuple[torch.utils.data.DataLoader, BucketBatchSampler]:
     """DataLoader over the cache for this rank, with the global-epoch bucket sampler."""
-    dataset = CachedDataset([prepared.planned[i] for i in prepared.samples], run.data.cache_dir, run.data.flip)
+    dataset = CachedDataset([prepared.planned[i] for i in prepared.samples], run.data.cache_dir, run.data.flip,
+                            loss_weights=any(p.item.loss_weight != 1.0 for p in prepared.planned))
     sampler = bucket_sampler(prepared, run.training.global_batch_size, micro_batch, topo, run.training.seed)
     workers = run.data.num_workers
     loader = torch.utils.data.DataLoader(
