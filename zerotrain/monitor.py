@@ -113,7 +113,7 @@ class Monitor:
                  images_per_step: int, predicted: Any, layout_text: str, flops_per_image: float,
                  peak_flops_per_gpu: float | None, every: int = 1, tensorboard: bool = True,
                  progress_bar: str = "auto", memory_check_step: int = 3, margin_bytes: int = 0,
-                 print_fn: Callable[[str], None] | None = None):
+                 print_fn: Callable[[str], None] | None = None, wandb: tuple[Any, ...] | None = None):
         self.run_dir, self.topo, self.device = run_dir, topo, device
         self.max_steps, self.start_step, self.images_per_step = max_steps, start_step, images_per_step
         self.predicted, self.layout_text = predicted, layout_text
@@ -134,12 +134,21 @@ class Monitor:
         run_dir.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(run_dir / "metrics.jsonl", start_step)
         self.metrics = (run_dir / "metrics.jsonl").open("a")
+        writers = []
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # Its thread writes the events every 10 s and at close(): a flush per step waited for it and
             # cost about 0.4 ms a step (benchmarks/step_overhead.py); metrics.jsonl is flushed every step.
-            self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1, flush_secs=10)
+            writers.append(SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1, flush_secs=10))
+        if wandb is not None:  # (logging.wandb, the resolved config, the plan's summary)
+            from zerotrain.tracking import WandbWriter
+
+            writers.append(WandbWriter(wandb[0], run_dir, *wandb[1:]))
+        if writers:
+            from zerotrain.tracking import Writers
+
+            self.writer = writers[0] if len(writers) == 1 else Writers(writers)
         if progress_bar == "always" or (progress_bar == "auto" and sys.stdout.isatty()):
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -281,7 +281,21 @@ def make_monitor(planned: RunPlan, topo: Topology, device: torch.device, start_s
                    peak_flops_per_gpu=planned.hw.peak_bf16_flops if device.type == "cuda" else None,
                    every=run.logging.every, tensorboard=run.logging.tensorboard,
                    progress_bar=run.logging.progress_bar, memory_check_step=run.logging.memory_check_step,
-                   margin_bytes=planned.used.margin_bytes)
+                   margin_bytes=planned.used.margin_bytes, wandb=wandb_setup(planned))
+
+
+def wandb_setup(planned: RunPlan) -> tuple | None:
+    """What the W&B run gets besides the scalars (logging.wandb): the resolved config, and the plan's
+    summary (the layout, the predicted memory and speed)."""
+    from zerotrain.planner.search import describe
+
+    run, used = planned.run, planned.used
+    if run.logging.wandb is None:
+        return None
+    summary = {"plan/layout": describe(used.layout), "plan/predicted_gib_per_gpu": used.memory.device_total / 2**30,
+               "plan/predicted_images_per_second": used.images_per_second,
+               "plan/gpus": planned.hw.world_size}
+    return run.logging.wandb, run.model_dump(mode="json"), summary
 
 
 def run_loop(trainer: Trainer, planned: RunPlan, device: torch.device) -> bool:

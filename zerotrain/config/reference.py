@@ -43,7 +43,11 @@ def reference() -> str:
         for name, sub in model.model_fields.items():
             nested = sub.annotation
             items = typing.get_args(nested)[0] if typing.get_origin(nested) is list else None
-            if isinstance(nested, type) and issubclass(nested, BaseModel):
+            optional = [a for a in typing.get_args(nested) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if optional and typing.get_origin(nested) is not list:  # a section that may be left out
+                lines.append(f"| `{section}.{name}` | {_default(sub)} | {' '.join((sub.description or '').split())} |")
+                rows = [(f"{section}.{name}.{leaf}", leaf_field) for leaf, leaf_field in optional[0].model_fields.items()]
+            elif isinstance(nested, type) and issubclass(nested, BaseModel):
                 rows = [(f"{section}.{name}.{leaf}", leaf_field) for leaf, leaf_field in nested.model_fields.items()]
             elif isinstance(items, type) and issubclass(items, BaseModel):  # each entry of a list
                 lines.append(f"| `{section}.{name}` | {_default(sub)} | {' '.join((sub.description or '').split())} |")

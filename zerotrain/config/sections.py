@@ -487,6 +487,17 @@ class FaultsConfig(_Section):
     `{step: 4, point: optimizer}` (points: before_model, optimizer, before_latest)."""
 
 
+class WandbConfig(_Section):
+    project: str
+    """The W&B project to log to."""
+    entity: str | None = None
+    """The W&B team or user; your default entity when not given."""
+    name: str | None = None
+    """The run's display name; the output folder's name when not given."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the W&B run."""
+
+
 class LoggingConfig(_Section):
     every: int = Field(1, ge=1)
     """Print a progress line, and write metrics, every this many optimizer steps."""
@@ -496,6 +507,11 @@ class LoggingConfig(_Section):
     """A rich progress bar on rank 0: auto shows it when stdout is a terminal, plain lines otherwise."""
     memory_check_step: int = Field(3, ge=1)
     """After this step, one line compares the planner's predicted peak memory with the measured one."""
+    wandb: WandbConfig | None = None
+    """Also log to Weights & Biases, from rank 0: the same scalars as TensorBoard, the validation
+    images, the plan's summary and the resolved config; a resumed run continues the same W&B run
+    (its id is kept in <output_dir>/wandb_id). Needs the optional extra: pip install
+    'zerotrain[wandb]'. WANDB_MODE=offline logs to <output_dir>/wandb without a network."""
     verbose: bool = False
     """Show all library output: the known-harmless warnings, DeepSpeed's info lines, library progress
     bars and the other ranks' library info that a run hides by default (zerotrain/quiet.py lists
