@@ -51,15 +51,22 @@ class Choice:
     why: str
 
 
+def partitionable(run: RunConfig, stage: int, ds_config: dict[str, Any]) -> bool:
+    """Whether the run may load partitioned, weights permitting (planner.memory.partitioned_load
+    counts the same): model.load auto, ZeRO-3, the base not quantized, no NVMe parameter offload."""
+    offload_param = ((ds_config.get("zero_optimization") or {}).get("offload_param") or {}).get("device", "none")
+    return (run.model.load is Loading.auto and stage == 3 and run.training.quantize_base is Quantization.none
+            and offload_param != "nvme")
+
+
 def choose(run: RunConfig, stage: int, ds_config: dict[str, Any], device: torch.device,
            weights: dict[str, Path] | str) -> Choice:
     """How this run loads its denoiser (see the module's docstring), and why, for the log.
     `weights`: the safetensors file of each weight (weight_files), or why there is none."""
     quantized = run.training.quantize_base is not Quantization.none
-    offload_param = ((ds_config.get("zero_optimization") or {}).get("offload_param") or {}).get("device", "none")
     if run.model.load is Loading.whole:
         return Choice("whole", "every rank loads the whole model on the host (model.load=whole)")
-    if stage == 3 and not quantized and offload_param != "nvme":
+    if partitionable(run, stage, ds_config):
         if isinstance(weights, str):
             return Choice("whole", f"every rank loads the whole model on the host: {weights}")
         return Choice("partitioned", "rank 0 reads each weight from the safetensors and every rank keeps its "
@@ -101,14 +108,13 @@ def load(spec: ModelSpec, folder: Path, run: RunConfig, topo: Topology, device: 
     from zerotrain.engine import load_denoiser
 
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
-    weights = weight_files(spec, folder)
+    weights: dict[str, Path] | str = "not read (no partitioned load)"
     model = None
-    if (stage == 3 and not isinstance(weights, str) and run.model.load is Loading.auto
-            and run.training.quantize_base is Quantization.none):
-        model = skeleton(spec, folder)
-        names = mismatch(model, weights, folder)
-        if names:
-            weights = names
+    if partitionable(run, stage, ds_config):
+        weights = weight_files(spec, folder)
+        if not isinstance(weights, str):
+            model = skeleton(spec, folder)
+            weights = mismatch(model, weights, folder) or weights
     choice = from_rank0(choose, topo, run, stage, ds_config, device, weights)
     done = [f"loading: {choice.why}"]
     if choice.how == "partitioned":
