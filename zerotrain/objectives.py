@@ -47,6 +47,8 @@ class Prepared:
     """Float32, the shape of the denoiser's output."""
     weights: torch.Tensor | None
     """(batch,) float32 per-sample loss weights, or None for uniform weights."""
+    mask: torch.Tensor | None = None
+    """Float32 per-element loss weights laid out as the target (the samples' loss masks), or None."""
 
 
 class Objective(Protocol):
@@ -81,20 +83,27 @@ def make_objective(
 
 def choose_flip(
     batch: dict[str, torch.Tensor], generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The latent posterior (mean, std) of each sample, (B, C, h, w): the horizontally flipped one with
-    probability 1/2 per sample when the batch carries latent_flip_mean/std, else the plain one."""
+    probability 1/2 per sample when the batch carries latent_flip_mean/std, else the plain one; and
+    the loss mask (B, 1, h, w), flipped with its sample, when the batch carries loss_mask (B, h, w)."""
     mean, std = batch["latent_mean"], batch["latent_std"]
     _check_latents(mean, "latent_mean")
     _check_same(std, mean, "latent_std", "latent_mean")
+    mask = batch.get("loss_mask")
+    if mask is not None:
+        _check_same(mask, mean[:, 0], "loss_mask", "latent_mean[:, 0]")
+        mask = mask.float().unsqueeze(1)
     if "latent_flip_mean" not in batch:
-        return mean, std
+        return mean, std, mask
     flip_mean, flip_std = batch["latent_flip_mean"], batch["latent_flip_std"]
     _check_same(flip_mean, mean, "latent_flip_mean", "latent_mean")
     _check_same(flip_std, mean, "latent_flip_std", "latent_mean")
     flip = _rand(mean.shape[0], generator, mean.device) < 0.5
     pick = flip.view(-1, 1, 1, 1)
-    return torch.where(pick, flip_mean, mean), torch.where(pick, flip_std, std)
+    if mask is not None:
+        mask = torch.where(pick, torch.flip(mask, dims=[3]), mask)
+    return torch.where(pick, flip_mean, mean), torch.where(pick, flip_std, std), mask
 
 
 def sample_posterior(mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -113,12 +122,19 @@ def dataset_weights(batch: dict[str, torch.Tensor], weights: torch.Tensor | None
     return mine if weights is None else weights.float() * mine.to(weights.device)
 
 
-def mse_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """Float32 scalar: the squared error averaged over every non-batch dim, times weights (B,) when
-    given, averaged over the batch. A NaN stays a NaN: hiding one hides a diverged run."""
+def mse_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 scalar: the squared error, times mask (the target's shape) when given, averaged over
+    every non-batch dim, times weights (B,) when given, averaged over the batch. A masked sample is
+    averaged over all its elements, not over its mask's area (as kohya and SimpleTuner do): a sample
+    whose mask keeps half of it weighs half. A NaN stays a NaN: hiding one hides a diverged run."""
     if pred.shape != target.shape:
         raise ValueError(f"mse_loss: pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
-    per_sample = (pred.float() - target.float()).pow(2).reshape(pred.shape[0], -1).mean(dim=1)
+    error = (pred.float() - target.float()).pow(2)
+    if mask is not None:
+        _check_same(mask, target, "mask", "target")
+        error = error * mask.float()
+    per_sample = error.reshape(pred.shape[0], -1).mean(dim=1)
     if weights is not None:
         _check_batch(weights, pred.shape[0], "weights")
         per_sample = per_sample * weights.float()
@@ -204,7 +220,8 @@ class FlowMatching:
         return float(self.scheduler_config.get("shift", 1.0))
 
     def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:
-        x0 = sample_posterior(*choose_flip(batch, generator), generator)
+        mean, std, mask = choose_flip(batch, generator)
+        x0 = sample_posterior(mean, std, generator)
         b, _, h, w = x0.shape
         tokens = self.family.latent_tokens(self.spec, h, w)
         t = sample_flow_timesteps(self.config, b, generator).to(x0.device)
@@ -212,11 +229,13 @@ class FlowMatching:
         noise = _randn(x0.shape, generator, x0.device)
         x_t = flow_interpolate(x0, noise, sigma)
         kwargs, target = self.family.flow_inputs(self, x_t, flow_target(x0, noise), sigma, batch)
-        return Prepared(model_kwargs=kwargs, target=target, weights=dataset_weights(batch, None))
+        if mask is not None:  # laid out as the target: the family packs it as it packs the target
+            mask = self.family.target_layout(mask.expand_as(x0).contiguous())
+        return Prepared(model_kwargs=kwargs, target=target, weights=dataset_weights(batch, None), mask=mask)
 
     def loss(self, pred: Any, prepared: Prepared) -> torch.Tensor:
         """pred: the first element of the denoiser's return_dict=False output."""
-        return mse_loss(self.family.prediction(pred), prepared.target, prepared.weights)
+        return mse_loss(self.family.prediction(pred), prepared.target, prepared.weights, prepared.mask)
 
 
 def make_flow_matching(
@@ -306,7 +325,8 @@ class DDPM:
     def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:
         from diffusers.training_utils import compute_snr
 
-        x0 = sample_posterior(*choose_flip(batch, generator), generator)
+        mean, std, mask = choose_flip(batch, generator)
+        x0 = sample_posterior(mean, std, generator)
         b = x0.shape[0]
         text, pooled = text_and_pooled(batch, b)
         timesteps = sample_ddpm_timesteps(self.scheduler.config.num_train_timesteps, b, generator)
@@ -333,10 +353,11 @@ class DDPM:
         if self.min_snr_gamma is not None:
             snr = compute_snr(self.scheduler, timesteps)
             weights = min_snr_weights(snr, self.min_snr_gamma, self.prediction_type)
-        return Prepared(model_kwargs=kwargs, target=target, weights=dataset_weights(batch, weights))
+        mask = None if mask is None else mask.expand_as(x0)
+        return Prepared(model_kwargs=kwargs, target=target, weights=dataset_weights(batch, weights), mask=mask)
 
     def loss(self, pred: torch.Tensor, prepared: Prepared) -> torch.Tensor:
-        return mse_loss(pred, prepared.target, prepared.weights)
+        return mse_loss(pred, prepared.target, prepared.weights, prepared.mask)
 
 
 def make_ddpm(

@@ -251,6 +251,12 @@ class Family(Protocol):
         its return_dict=False output."""
         ...
 
+    def target_layout(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latent-grid values (B, C, h, w) laid out as the target and the denoiser's output (packed into
+        tokens where the family packs latents): flow_inputs lays out its target so, and a loss mask
+        follows it."""
+        ...
+
     def example_inputs(
         self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
         device: torch.device | str, dtype: torch.dtype,

@@ -208,3 +208,50 @@ def test_a_datasets_loss_weight_reaches_the_batches(model_dir, images, tmp_path)
     plain = run_config(model_dir, images, tmp_path)
     loader, _ = make_loader(prepare(plain, resolve_model(plain.model), SINGLE), plain, 1, SINGLE)
     assert "loss_weight" not in next(iter(loader))
+
+
+def test_masks_are_cached_on_the_latent_grid_and_reach_the_batches(model_dir, images, tmp_path):
+    """Issue 25: img0.mask.png weights img0's loss; it is cropped with its image, averaged onto the latent
+    grid and cached with the latents; an unmasked image of the same run gets ones; unmasked_weight lifts
+    the black."""
+    pixels = np.zeros((64, 96), dtype=np.uint8)
+    pixels[:, 60:] = 255
+    pixels[10:20, :] = 128
+    Image.fromarray(pixels).save(images / "img0.mask.png")
+    run = run_config(model_dir, images, tmp_path, "data.unmasked_weight=0.25")
+    prepared = prepare(run, resolve_model(run.model), SINGLE)
+    assert len(prepared.planned) == len(SIZES)  # the mask is no image of its own
+    dataset = CachedDataset(prepared.planned, run.data.cache_dir, masks=True, unmasked_weight=0.25)
+    by_name = {p.item.image.name: i for i, p in enumerate(prepared.planned)}
+    masked, plain = dataset[by_name["img0.png"]], dataset[by_name["img1.png"]]
+    planned = prepared.planned[by_name["img0.png"]]
+    cut = np.asarray(apply_crop(Image.fromarray(pixels), planned.crop), dtype=np.float64) / 255
+    h, w = masked["latent_mean"].shape[-2:]
+    expected = 0.25 + 0.75 * cut.reshape(h, cut.shape[0] // h, w, cut.shape[1] // w).mean(axis=(1, 3))
+    assert np.allclose(masked["loss_mask"].numpy(), expected, atol=4e-3)
+    assert masked["loss_mask"].min() == pytest.approx(0.25) and masked["loss_mask"].max() == pytest.approx(1.0)
+    assert torch.equal(plain["loss_mask"], torch.ones(plain["latent_mean"].shape[-2:]))
+    loader, _ = make_loader(prepared, run, 1, SINGLE)
+    assert all(batch["loss_mask"].shape == batch["latent_mean"][:, 0].shape for batch in loader)
+    # A changed mask is a new latent key (the latents are encoded again with it); no mask, no key change.
+    Image.fromarray(255 - pixels).save(images / "img0.mask.png")
+    again = prepare(run, resolve_model(run.model), SINGLE)
+    assert again.report.latents_encoded == 1
+
+
+def test_an_alpha_channel_is_the_mask_with_data_mask_alpha(model_dir, tmp_path):
+    folder = tmp_path / "cutouts"
+    folder.mkdir()
+    alpha = np.zeros((64, 64), dtype=np.uint8)
+    alpha[16:48, 16:48] = 255
+    image = Image.new("RGBA", (64, 64), (200, 30, 30, 255))
+    image.putalpha(Image.fromarray(alpha))
+    image.save(folder / "cut.png")
+    Image.new("RGB", (64, 64), (0, 90, 0)).save(folder / "opaque.png")
+    run = run_config(model_dir, folder, tmp_path, "data.mask=alpha")
+    prepared = prepare(run, resolve_model(run.model), SINGLE)
+    dataset = CachedDataset(prepared.planned, run.data.cache_dir, masks=True)
+    samples = {p.item.image.name: dataset[i] for i, p in enumerate(prepared.planned)}
+    expected = alpha.reshape(32, 2, 32, 2).mean(axis=(1, 3)) / 255
+    assert np.allclose(samples["cut.png"]["loss_mask"].numpy(), expected)
+    assert torch.equal(samples["opaque.png"]["loss_mask"], torch.ones(32, 32))

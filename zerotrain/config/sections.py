@@ -219,6 +219,15 @@ class DataConfig(_Section):
     0.05. Drawn per sample from the seed and the epoch, so a resume draws the same."""
     flip: bool = False
     """Also cache horizontally flipped latents and use them for half of the samples."""
+    mask: Literal["file", "alpha", "none"] = "file"
+    """Masked loss. file: an image with a mask beside it (photo.mask.png for photo.jpg, or a manifest
+    line's "mask") weights its loss per latent pixel by the mask's gray level (white 1, black 0);
+    images without one train unmasked. alpha: each image's alpha channel is its mask (an opaque image
+    trains unmasked). none: masks are ignored. The mask is cropped and flipped with its image,
+    averaged onto the latent grid and cached with the latents."""
+    unmasked_weight: float = Field(0.0, ge=0.0, lt=1.0)
+    """The loss weight where a mask is black (OneTrainer's unmasked weight): a pixel weighs
+    unmasked_weight + (1 - unmasked_weight) x mask. 0 gives masked-out pixels no gradient at all."""
     cache_dir: Path = Path("cache")
     """Where latents and text embeddings are cached (safetensors shards with an index)."""
     num_workers: int = Field(2, ge=0, le=64)

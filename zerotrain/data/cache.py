@@ -2,12 +2,14 @@
 encoders, store safetensors shards, train from memory-mapped shards.
 
 Layout of data.cache_dir:
-    latents/<rank>-<uuid>.safetensors   tensors "<key>.mean", "<key>.std" (+ ".flip_mean", ".flip_std")
+    latents/<rank>-<uuid>.safetensors   tensors "<key>.mean", "<key>.std" (+ ".flip_mean", ".flip_std",
+                                        and ".mask" (h, w) where the image has a loss mask)
     text/<rank>-<uuid>.safetensors      tensors "<key>.<name>", name as the family's encode_prompt outputs
     index.json                          key -> shard, merged after every build (a speed-up only)
 
 Keys are content addresses. A latent key hashes the image file's identity (path, size,
-mtime), its bucket and crop, the VAE's identity and the stored dtype; a text key hashes the
+mtime), its mask file's where it has one, its bucket and crop, the VAE's identity and the stored
+dtype; a text key hashes the
 caption, the text encoders' identity and the sequence length. A changed image or caption gets a
 new key, so only it is encoded again; nothing else needs invalidating.
 
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -46,7 +49,7 @@ from zerotrain import families
 from zerotrain.config.sections import RunConfig
 from zerotrain.data.buckets import CropPlan, apply_crop, assign_bucket, bucket_step, make_buckets, plan_crop
 from zerotrain.data.dataset import Discovery, Item, Verdict
-from zerotrain.data.images import ImageRejected, load_rgb
+from zerotrain.data.images import ImageRejected, load_mask, load_rgb
 from zerotrain.distributed import barrier
 from zerotrain.errors import ZerotrainError
 from zerotrain.protocols import ModelSpec
@@ -122,13 +125,17 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
         if crop.upscaled and data.upscale == "skip":
             skipped.append(Verdict(item.image, f"smaller than its bucket {bucket[0]}x{bucket[1]} (data.upscale=skip)"))
             continue
-        stat = item.image.stat()
-        latent_key = _digest(CACHE_VERSION, str(item.image.resolve()), stat.st_size, stat.st_mtime_ns, crop,
-                             identity, str(STORE_DTYPE), data.flip)
+        latent_key = _digest(CACHE_VERSION, *_file_identity(item.image), crop, identity, str(STORE_DTYPE), data.flip,
+                             *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []))
         text_keys = tuple(text_key(text, identity, text_tokens, spec) for text in item.texts)
         empty = text_key("", identity, text_tokens, spec) if item.caption_dropout > 0 else ""
         planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_keys, empty))
     return planned, skipped
+
+
+def _file_identity(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
 def text_key(text: str, identity: str, text_tokens: int, spec: ModelSpec) -> str:
@@ -239,13 +246,19 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
 def _encode_images(encoders, batch: list[Planned], run: RunConfig, device, tensors: dict, encode_moments) -> list[Verdict]:
     """Decode, crop and encode one same-bucket batch into `tensors`; files that fail to decode
     now (truncated data past the header, a file that vanished) become verdicts."""
-    pixels, kept, rejected = [], [], []
+    pixels, kept, masks, rejected = [], [], [], []
     for p in batch:
         try:
             image = load_rgb(p.item.image, run.data.background, min_target=p.crop.resized_size)
         except (ImageRejected, OSError) as err:
             rejected.append(Verdict(p.item.image, getattr(err, "reason", "unreadable")))
             continue
+        try:
+            mask = load_mask(p.item.mask, alpha=p.item.mask_alpha) if p.item.mask is not None else None
+        except (ImageRejected, OSError) as err:
+            rejected.append(Verdict(p.item.image, f"mask {p.item.mask.name}: {getattr(err, 'reason', 'unreadable')}"))
+            continue
+        masks.append(mask)
         cropped = apply_crop(image, p.crop)
         array = torch.frombuffer(bytearray(cropped.tobytes()), dtype=torch.uint8)
         pixels.append(array.view(cropped.height, cropped.width, 3).permute(2, 0, 1))
@@ -259,7 +272,22 @@ def _encode_images(encoders, batch: list[Planned], run: RunConfig, device, tenso
         for i, p in enumerate(kept):
             tensors[f"{p.latent_key}.{prefix}mean"] = mean[i].to(STORE_DTYPE).cpu()
             tensors[f"{p.latent_key}.{prefix}std"] = std[i].to(STORE_DTYPE).cpu()
+    for p, mask in zip(kept, masks, strict=True):
+        if p.item.mask is not None:
+            tensors[f"{p.latent_key}.mask"] = latent_mask(mask, p.crop, mean.shape[-2:])
     return rejected
+
+
+def latent_mask(mask: Image.Image | None, crop: CropPlan, grid: tuple[int, int]) -> torch.Tensor:
+    """A loss mask (images.load_mask) on the latent grid (h, w), in [0, 1]: cropped as its image is, then
+    each latent pixel the mean of the pixels it covers (area interpolation). None, an alpha mask of an
+    opaque image, gives all ones. Flipped samples flip it when they are drawn."""
+    if mask is None:
+        return torch.ones(tuple(grid), dtype=STORE_DTYPE)
+    cropped = apply_crop(mask, crop)
+    pixels = torch.frombuffer(bytearray(cropped.tobytes()), dtype=torch.uint8).view(1, 1, cropped.height, cropped.width)
+    area = torch.nn.functional.interpolate(pixels.float() / 255.0, size=tuple(grid), mode="area")
+    return area[0, 0].clamp(0.0, 1.0).to(STORE_DTYPE)
 
 
 def write_index(root: Path) -> dict[str, dict[str, str]]:
@@ -293,7 +321,8 @@ class CachedDataset(torch.utils.data.Dataset):
     posterior, so training draws a fresh latent each time), the text conditioning, and the
     bucket, original size and crop offsets that SDXL's micro-conditioning needs."""
 
-    def __init__(self, planned: list[Planned], root: Path, flip: bool = False, loss_weights: bool = False) -> None:
+    def __init__(self, planned: list[Planned], root: Path, flip: bool = False, loss_weights: bool = False,
+                 masks: bool = False, unmasked_weight: float = 0.0) -> None:
         index = read_index(root)
         missing = [p for p in planned if p.latent_key not in index["latents"]
                    or any(key not in index["text"] for key in p.all_text_keys())]
@@ -302,6 +331,7 @@ class CachedDataset(torch.utils.data.Dataset):
                                  "run `zerotrain cache --config ...` first")
         self.planned, self.root, self.flip, self.index = planned, root, flip, index
         self.loss_weights = loss_weights  # each sample carries its dataset's loss_weight
+        self.masks, self.unmasked_weight = masks, unmasked_weight  # each sample carries a loss_mask (h, w)
         self._handles: dict[str, Any] = {}
         self._text_names: dict[str, list[str]] = {}
 
@@ -331,6 +361,10 @@ class CachedDataset(torch.utils.data.Dataset):
         }
         if self.loss_weights:
             sample["loss_weight"] = torch.tensor(p.item.loss_weight, dtype=torch.float32)
+        if self.masks:  # ones for an unmasked image in a run with masks: every sample of a batch has one
+            mask = (latents.get_tensor(f"{p.latent_key}.mask").float() if p.item.mask is not None
+                    else torch.ones(sample["latent_mean"].shape[-2:]))
+            sample["loss_mask"] = self.unmasked_weight + (1.0 - self.unmasked_weight) * mask
         if self.flip:  # horizontally flipped moments; the training step picks one of the two per sample
             sample["latent_flip_mean"] = latents.get_tensor(f"{p.latent_key}.flip_mean")
             sample["latent_flip_std"] = latents.get_tensor(f"{p.latent_key}.flip_std")

@@ -16,6 +16,8 @@ from zerotrain.data.images import ImageInfo, ImageRejected, probe
 from zerotrain.errors import ZerotrainError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"}
+# photo.mask.png is the loss mask of photo.jpg (data.mask=file).
+MASK_SUFFIX = ".mask"
 # Rejections listed by path in a summary; the rest are counted.
 SHOWN_PATHS = 3
 
@@ -36,6 +38,13 @@ class Item:
     """The share of its samples trained with the empty caption."""
     loss_weight: float = 1.0
     """Its dataset's weight in the loss."""
+    mask: Path | None = None
+    """Its loss mask: a mask file, or the image itself where its alpha channel is the mask
+    (data.mask=alpha); None to train unmasked."""
+
+    @property
+    def mask_alpha(self) -> bool:
+        return self.mask is not None and self.mask == self.image
 
     @property
     def texts(self) -> tuple[str, ...]:
@@ -136,10 +145,25 @@ def _caption_texts(text: str, dataset: DatasetConfig) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()] or [""]
 
 
-def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[Path, list[str] | None]]:
-    """(image, caption or None when it has no caption file) for a folder; notes stray captions."""
+Entry = tuple[Path, list[str] | None, Path | None]
+"""An image, its captions (None when it has none) and its mask file (None when it has none)."""
+
+
+def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entry]:
+    """An entry per image of a folder; notes stray captions and masks. photo.mask.png is the mask
+    of photo.jpg (any image extensions), not an image of its own."""
     files = sorted(p for p in dataset.path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
+    pictures = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
+    stems = {p.with_suffix("") for p in pictures}
+    masks: dict[Path, Path] = {}
+    for p in pictures:
+        stem = p.with_suffix("")
+        if stem.suffix == MASK_SUFFIX:
+            if stem.with_suffix("") in stems:
+                masks[stem.with_suffix("")] = p
+            else:
+                discovery.verdicts.append(Verdict(p, "mask without image", rejected=False))
+    images = [p for p in pictures if p.with_suffix("").suffix != MASK_SUFFIX]
     stems = {p.with_suffix("") for p in images}
     entries = []
     for caption_file in (p for p in files if p.suffix == dataset.caption_extension):
@@ -147,17 +171,18 @@ def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[
             discovery.verdicts.append(Verdict(caption_file, "caption without image", rejected=False))
     for image in images:
         caption_file = image.with_suffix(dataset.caption_extension)
+        mask = masks.get(image.with_suffix(""))
         if not caption_file.is_file():
-            entries.append((image, None))
+            entries.append((image, None, mask))
             continue
         try:
-            entries.append((image, _caption_texts(read_caption(caption_file), dataset)))
+            entries.append((image, _caption_texts(read_caption(caption_file), dataset), mask))
         except UnicodeDecodeError:
             discovery.verdicts.append(Verdict(image, f"caption not UTF-8 ({caption_file.name})"))
     return entries
 
 
-def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tuple[Path, list[str] | None]]:
+def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entry]:
     root = dataset.path.parent
     entries = []
     for number, line in enumerate(dataset.path.read_text(encoding="utf-8").splitlines(), start=1):
@@ -165,17 +190,17 @@ def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[tupl
             continue
         try:
             record = json.loads(line)
-            image, caption = record["image"], record.get("caption")
+            image, caption, mask = record["image"], record.get("caption"), record.get("mask")
             captions = [caption] if isinstance(caption, str) else caption
-            if not isinstance(image, str) or not (captions is None or (
+            if not isinstance(image, str) or not isinstance(mask, (str, type(None))) or not (captions is None or (
                     isinstance(captions, list) and captions and all(isinstance(c, str) for c in captions))):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
             discovery.verdicts.append(Verdict(dataset.path, f"manifest line {number} is not "
-                                              '{"image": path, "caption": text or [texts]}'))
+                                              '{"image": path, "caption": text or [texts], "mask": path}'))
             continue
         texts = None if captions is None else [t for c in captions for t in _caption_texts(c.strip(), dataset)]
-        entries.append((root / image, texts))
+        entries.append((root / image, texts, None if mask is None else root / mask))
     return entries
 
 
@@ -197,7 +222,7 @@ def discover(data: DataConfig) -> Discovery:
         dropout = data.caption_dropout if dataset.caption_dropout is None else dataset.caption_dropout
         if dataset.share is not None:
             discovery.shares[index] = dataset.share
-        for image, texts in entries:
+        for image, texts, mask_file in entries:
             if not image.is_file():
                 discovery.verdicts.append(Verdict(image, "missing file"))
                 continue
@@ -212,10 +237,29 @@ def discover(data: DataConfig) -> Discovery:
             except ImageRejected as err:
                 discovery.verdicts.append(Verdict(image, err.reason))
                 continue
+            mask = image if data.mask == "alpha" else mask_file if data.mask == "file" else None
+            problem = _mask_problem(mask, image, info, data) if mask is not None and mask != image else None
+            if problem:
+                discovery.verdicts.append(Verdict(image, problem))
+                continue
             variants = caption_variants(texts, dataset)
             discovery.items.append(Item(image, variants[0], info.width, info.height, index, dataset.repeats,
-                                        variants, dropout, dataset.loss_weight))
+                                        variants, dropout, dataset.loss_weight, mask))
     return discovery
+
+
+def _mask_problem(mask: Path, image: Path, info: ImageInfo, data: DataConfig) -> str | None:
+    """Why an image's mask file cannot weight its loss (it is missing, unreadable or of another
+    size), or None."""
+    if not mask.is_file():
+        return f"mask {mask} is missing"
+    try:
+        found = probe(mask, 1, data.max_image_pixels)
+    except ImageRejected as err:
+        return f"mask {mask.name}: {err.reason}"
+    if (found.width, found.height) != (info.width, info.height):
+        return f"mask {mask.name} is {found.width}x{found.height}, its image {info.width}x{info.height}"
+    return None
 
 
 def enforce(discovery: Discovery, data: DataConfig) -> None:

@@ -13,6 +13,9 @@ Two steps:
 - :func:`load_rgb` decodes fully: EXIF orientation applied, alpha composited onto a background,
   CMYK/LAB/palette/16-bit/float converted by their real range, optionally at reduced size.
 
+:func:`load_mask` decodes a loss mask (a mask file's gray level, or an image's alpha channel) by the
+same rules, upright and at full size.
+
 Conversion rules (``load_rgb``):
 
 - 1, L, P, RGB, RGBX, CMYK, YCbCr, LAB, HSV: Pillow's conversion to RGB, which is exact for these.
@@ -201,6 +204,28 @@ def load_rgb(
         out = out.transpose(method)
     out.info.pop("exif", None)  # orientation is applied; a stale tag would rotate it twice downstream
     return out
+
+
+def load_mask(path: Path, *, alpha: bool = False) -> Image.Image | None:
+    """An upright 8-bit grayscale ("L") loss mask at the file's full size, or raise ImageRejected.
+
+    A mask file gives its gray level (a colour mask its luminance, transparent pixels black): 255
+    trains fully, 0 not at all. With ``alpha`` the file is the training image itself and its alpha
+    channel is the mask; None when it has none (every pixel opaque).
+    """
+    path = Path(path)
+    with _open(path) as im:
+        _check_mode(im, path)
+        _decode(im, path)
+        orientation = _orientation(im, header_only=False)
+        if alpha:
+            out = _split_alpha(im, path)[1]
+        else:
+            out = _to_rgb(im, (0, 0, 0), path).convert("L")
+    if out is None:
+        return None
+    method = _TRANSPOSE.get(orientation)
+    return out if method is None else out.transpose(method)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,18 +440,22 @@ def _orientation(im: ImageFile.ImageFile, *, header_only: bool) -> int:
 
 def _to_rgb(im: Image.Image, background: tuple[int, int, int], path: Path) -> Image.Image:
     """Convert a loaded image of any supported mode to a new 8-bit RGB image (alpha composited)."""
+    rgb, alpha = _split_alpha(im, path)
+    return _composite(rgb, alpha, background) if alpha is not None else rgb
+
+
+def _split_alpha(im: Image.Image, path: Path) -> tuple[Image.Image, Image.Image | None]:
+    """A loaded image of any supported mode as a new 8-bit RGB image and its 8-bit alpha channel, None
+    where every pixel is opaque."""
     mode = im.mode
     if mode in ("I", "F") or mode.startswith("I;16"):
         gray, alpha = _high_range_gray(im, path)
-        rgb = gray.convert("RGB")
-        return _composite(rgb, alpha, background) if alpha is not None else rgb
+        return gray.convert("RGB"), alpha
     if mode in _ALPHA_MODES or mode == "P" or "transparency" in im.info:
         rgba = im.convert("RGBA")  # applies palette alpha and transparency keys / indices
         alpha = rgba.getchannel("A")
-        if alpha.getextrema() == (255, 255):
-            return rgba.convert("RGB")
-        return _composite(rgba.convert("RGB"), alpha, background)
-    return im.convert("RGB")  # always a new image, detached from the file
+        return rgba.convert("RGB"), None if alpha.getextrema() == (255, 255) else alpha
+    return im.convert("RGB"), None  # always a new image, detached from the file
 
 
 def _composite(rgb: Image.Image, alpha: Image.Image, background: tuple[int, int, int]) -> Image.Image:

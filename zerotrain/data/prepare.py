@@ -102,7 +102,9 @@ def make_loader(prepared: Prepared, run: RunConfig, micro_batch: int, topo: Topo
                 pin_memory: bool = False) -> tuple[torch.utils.data.DataLoader, BucketBatchSampler]:
     """DataLoader over the cache for this rank, with the global-epoch bucket sampler."""
     dataset = CachedDataset([prepared.planned[i] for i in prepared.samples], run.data.cache_dir, run.data.flip,
-                            loss_weights=any(p.item.loss_weight != 1.0 for p in prepared.planned))
+                            loss_weights=any(p.item.loss_weight != 1.0 for p in prepared.planned),
+                            masks=any(p.item.mask is not None for p in prepared.planned),
+                            unmasked_weight=run.data.unmasked_weight)
     sampler = bucket_sampler(prepared, run.training.global_batch_size, micro_batch, topo, run.training.seed)
     workers = run.data.num_workers
     loader = torch.utils.data.DataLoader(

@@ -145,6 +145,9 @@ class BaseFamily:
     def prediction(self, output: Any) -> torch.Tensor:
         return output
 
+    def target_layout(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
     # --- validation images -------------------------------------------------------------------------
 
     def classifier_free(self, guidance_scale: float) -> bool:

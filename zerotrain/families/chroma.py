@@ -174,7 +174,7 @@ class Chroma(Flux):
             "txt_ids": torch.zeros(used, 3, device=x_t.device),
             "attention_mask": joint_attention_mask(keep[:, :used], hidden.shape[1]),
         }
-        return kwargs, pack_latents(target)
+        return kwargs, self.target_layout(target)
 
     def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
                        device: Any, dtype: Any) -> dict[str, Any]:

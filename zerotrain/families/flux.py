@@ -162,7 +162,10 @@ class Flux(BaseFamily):
         }
         if objective.spec.config.get("guidance_embeds", False):
             kwargs["guidance"] = torch.full((b,), objective.config.guidance, device=x_t.device)
-        return kwargs, pack_latents(target)
+        return kwargs, self.target_layout(target)
+
+    def target_layout(self, latents: Any) -> Any:
+        return pack_latents(latents)
 
     def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
                        device: Any, dtype: Any) -> dict[str, Any]:

@@ -311,7 +311,12 @@ class Flux2(BaseFamily):
         }
         if objective.spec.config.get("guidance_embeds", DENOISER_DEFAULTS["guidance_embeds"]):
             kwargs["guidance"] = torch.full((b,), objective.config.guidance, device=x_t.device)
-        return kwargs, Flux2Pipeline._pack_latents(target)
+        return kwargs, self.target_layout(target)
+
+    def target_layout(self, latents: Any) -> Any:
+        from diffusers import Flux2Pipeline
+
+        return Flux2Pipeline._pack_latents(latents)
 
     def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
                        device: Any, dtype: Any) -> dict[str, Any]:

@@ -229,7 +229,10 @@ class QwenImage(BaseFamily):
             "encoder_hidden_states_mask": None if bool(valid.all()) else valid,
             "timestep": sigma,
             "img_shapes": image_shapes(b, h, w),
-        }, pack_latents(target)
+        }, self.target_layout(target)
+
+    def target_layout(self, latents: Any) -> Any:
+        return pack_latents(latents)
 
     def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
                        device: Any, dtype: Any) -> dict[str, Any]:
