@@ -124,7 +124,7 @@ def apply_mode(model: torch.nn.Module, spec: ModelSpec, run: RunConfig,
     if run.training.quantize_base is not Quantization.none and not quantized(model):
         done.append(quantize_base(model, run.training.quantize_base))
     if run.training.mode is Mode.lora:
-        from zerotrain.planner.trace import apply_lora
+        from zerotrain.adapters import apply_lora
 
         apply_lora(model, spec, run)
     else:

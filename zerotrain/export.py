@@ -27,8 +27,12 @@ LoRA adapters), must have data (numel > 0), and is written in bf16 without "modu
 - LoRA: OUT/lora/pytorch_lora_weights.safetensors, via the family pipeline's save_lora_weights, in
   the key format of peft's get_peft_model_state_dict, with the adapter's rank and alpha as diffusers'
   lora_adapter_metadata so load_lora_weights applies the trained scale alpha / rank;
-- comfyui=True: also OUT/comfyui/<run>-<tag>.safetensors, see comfyui_lora_state_dict (LoRA) or a
-  single-file denoiser with diffusers keys, which ComfyUI's "Load Diffusion Model" converts (full).
+- comfyui=True: also OUT/comfyui/<run>-<tag>.safetensors, see comfyui_lora_state_dict (LoRA),
+  comfyui_dora and Family.comfyui_adapter (LoKr, LoHa), or a single-file denoiser with diffusers
+  keys, which ComfyUI's "Load Diffusion Model" converts (full).
+
+LoKr and LoHa export as _write_lora says: the adapter where the family's diffusers loader reads it,
+else a LoRA converted by peft's convert_to_lora.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ from typing import Any
 import torch
 
 from zerotrain import families
+from zerotrain.adapters import ADAPTER, is_adapter, lora_pairs
 from zerotrain.config import Mode, RunConfig
 from zerotrain.errors import ZerotrainError
+from zerotrain.families.base import kohya_lora
 from zerotrain.models.catalog import resolve_model
 from zerotrain.protocols import ModelSpec
 from zerotrain.quiet import hidden_warnings
@@ -60,7 +66,6 @@ STATE = "zerotrain_state.json"
 LORA_DIR = "lora"
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 COMFYUI_DIR = "comfyui"
-ADAPTER = "default"
 # Wrappers that prefix parameter names: DeepSpeed/DDP ("module.", diffusers#9393), torch.compile
 # ("_orig_mod."), peft's get_peft_model ("base_model.model.").
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
@@ -94,7 +99,7 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
     checkpoint = _checkpoint_dir(run_dir, tag)
     lora = run.training.mode is Mode.lora
     meta = _meta_model(spec, run)
-    expected = {name: tuple(t.shape) for name, t in meta.state_dict().items() if not lora or "lora_" in name}
+    expected = {name: tuple(t.shape) for name, t in meta.state_dict().items() if not lora or is_adapter(name)}
     weights, source = read_checkpoint(run_dir / CHECKPOINTS, tag, expected, lora)
     if ema:
         weights, source = _with_ema(weights, checkpoint), f"EMA of the trained weights (zerotrain ema-*.pt in {tag})"
@@ -102,7 +107,7 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
     out.mkdir(parents=True, exist_ok=True)
     name = f"{run_dir.resolve().name}-{tag}"
     if lora:
-        files = _write_lora(out, spec, meta, weights, comfyui, name)
+        files, adapter = _write_lora(out, spec, meta, weights, comfyui, name, run.training.lora.export_rank)
     else:
         files = _write_full(out, spec, weights, comfyui, name)
     state_path = checkpoint / STATE
@@ -123,8 +128,7 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
         "ema": ema,
     }
     if lora:
-        settings = run.training.lora
-        manifest["lora"] = {"rank": settings.rank, "alpha": settings.alpha or settings.rank}
+        manifest["lora"] = adapter
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return out
 
@@ -187,7 +191,7 @@ def _checked(
     empty, wrong = [], []
     for raw_name, value in tensors:
         name = strip_prefixes(raw_name)
-        if lora and "lora_" not in name:
+        if lora and not is_adapter(name):
             continue  # the frozen base
         if name not in expected:
             wrong.append(f"{name} (not in the model)")
@@ -369,7 +373,8 @@ def _checkpoint_dir(run_dir: Path, tag: str) -> Path:
 
 def _meta_model(spec: ModelSpec, run: RunConfig) -> torch.nn.Module:
     """The denoiser as the run trained it, on the meta device: the shapes every tensor must have."""
-    from zerotrain.planner.trace import apply_lora, build_meta_model
+    from zerotrain.adapters import apply_lora
+    from zerotrain.models.meta import build_meta_model
 
     model = build_meta_model(spec)
     if run.training.mode is Mode.lora:
@@ -440,24 +445,47 @@ def _write_full(
 
 
 def _write_lora(
-    out: Path, spec: ModelSpec, meta: torch.nn.Module, weights: dict[str, torch.Tensor], comfyui: bool, name: str
-) -> list[Path]:
+    out: Path, spec: ModelSpec, meta: torch.nn.Module, weights: dict[str, torch.Tensor], comfyui: bool, name: str,
+    export_rank: int = 64,
+) -> tuple[list[Path], dict[str, Any]]:
+    """OUT/lora/pytorch_lora_weights.safetensors, which the family pipeline's load_lora_weights loads: a
+    LoRA (and DoRA) with its rank and alpha as metadata; a LoKr where the family's loader takes LoKr
+    (Z-Image, FLUX.2), with alpha baked in; otherwise (LoHa, and LoKr elsewhere) the LoRA of rank
+    export_rank that peft's convert_to_lora makes of the adapter. And, with comfyui, the adapter in
+    ComfyUI's names. Returns the files and what the manifest records of the adapter."""
     from peft import get_peft_model_state_dict
 
     layers = get_peft_model_state_dict(meta, state_dict=weights, adapter_name=ADAPTER)
     if len(layers) != len(weights) or any(k.startswith("module.") or f".{ADAPTER}." in k for k in layers):
-        raise ZerotrainError(f"internal: peft kept {len(layers)} of {len(weights)} LoRA tensors or left prefixes")
+        raise ZerotrainError(f"internal: peft kept {len(layers)} of {len(weights)} adapter tensors or left prefixes")
     config = meta.peft_config[ADAPTER]
+    kind = adapter_kind(config)
+    family = families.of(spec)
+    dora = kind == "lora" and bool(config.use_dora)
+    if comfyui and (kind != "lora" or dora):
+        family.comfyui_adapter_name(next(iter(layers)).rsplit(".", 1)[0])  # one line now where there is none
+    info: dict[str, Any] = {"type": kind, "rank": int(config.r), "alpha": float(_alpha(config))}
+    if kind == "lora":
+        info["use_dora"] = bool(config.use_dora)
+        saved, metadata = layers, lora_metadata(config)
+    elif kind == "lokr" and family.diffusers_lokr:
+        saved, metadata = baked(layers, config), None
+        info["diffusers"] = "LoKr, alpha baked in"
+    else:
+        lora_config, saved, fit = converted_lora(meta, weights, export_rank)
+        metadata = lora_metadata(lora_config)
+        info["diffusers"] = f"LoRA of rank {export_rank} converted by peft's convert_to_lora"
+        info["conversion"] = fit
     component = denoiser_folder(spec)
     cls = pipeline_class(spec)
-    kwargs: dict[str, Any] = {f"{component}_lora_layers": layers}
+    kwargs: dict[str, Any] = {f"{component}_lora_layers": saved}
     metadata_arg = f"{component}_lora_adapter_metadata"
-    if metadata_arg in inspect.signature(cls.save_lora_weights).parameters:
-        kwargs[metadata_arg] = lora_metadata(config)
-    else:  # older diffusers infers alpha = rank: fold the scale into B instead
-        scale = config.lora_alpha / config.r
+    if metadata is not None and metadata_arg in inspect.signature(cls.save_lora_weights).parameters:
+        kwargs[metadata_arg] = metadata
+    elif metadata is not None:  # older diffusers infers alpha = rank: fold the scale into B instead
+        scale = metadata["lora_alpha"] / metadata["r"]
         kwargs[f"{component}_lora_layers"] = {
-            k: (v.float() * scale).to(v.dtype) if ".lora_B." in k else v for k, v in layers.items()
+            k: (v.float() * scale).to(v.dtype) if ".lora_B." in k else v for k, v in saved.items()
         }
     folder = out / LORA_DIR
     with _replacing(folder) as partial:
@@ -466,10 +494,99 @@ def _write_lora(
     if not files[0].is_file():
         raise ZerotrainError(f"internal: {cls.__name__}.save_lora_weights wrote no {LORA_WEIGHTS}")
     if comfyui:
-        comfy = comfyui_lora_state_dict(spec, meta, layers, config.lora_alpha)
-        meta_info = {"format": "pt", "ss_network_dim": str(config.r), "ss_network_alpha": str(config.lora_alpha)}
+        if dora:
+            comfy = comfyui_dora(spec, layers, config)
+        elif kind == "lora":
+            comfy = comfyui_lora_state_dict(spec, meta, layers, config.lora_alpha)
+        else:
+            comfy = family.comfyui_adapter(meta, baked(layers, config))
+        meta_info = {"format": "pt", "ss_network_dim": str(config.r), "ss_network_alpha": str(_alpha(config))}
         files.append(_save_single_file(out / COMFYUI_DIR / f"{name}.safetensors", comfy, meta_info))
-    return files
+    return files, info
+
+
+def comfyui_dora(spec: ModelSpec, layers: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """A DoRA in the names ComfyUI's LoRA loader reads (Family.comfyui_adapter_name, kohya's lora_down /
+    lora_up / alpha) with `dora_scale` (out, 1). peft's DoRA is m (W0 + s B A) / ||W0 + s B A|| per output
+    row; ComfyUI's weight_decompose (comfy/weight_adapter/base.py) divides by the base weight's row
+    norm ||W0|| instead. So the magnitude is written as m ||W0|| / ||W0 + s B A||, computed from the
+    base weights in the model's folder: ComfyUI then applies peft's weights."""
+    from safetensors import safe_open
+
+    from zerotrain.loading import weight_files
+
+    family = families.of(spec)
+    files = weight_files(spec, Path(spec.pretrained)) if spec.pretrained else "the model has no weights folder"
+    if isinstance(files, str):
+        raise ZerotrainError(f"the ComfyUI export of a DoRA needs the base weights: {files}")
+    scale = config.lora_alpha / config.r
+    out: dict[str, torch.Tensor] = {}
+    for module, (down, up) in lora_pairs(layers, "internal").items():
+        name = f"{module}.weight"
+        if name not in files:
+            raise ZerotrainError(f"the ComfyUI export of a DoRA needs {name}, which {spec.pretrained} does not hold")
+        with safe_open(str(files[name]), framework="pt") as handle:
+            base = handle.get_tensor(name).float()
+        adapted = base + scale * (up.float() @ down.float())
+        magnitude = layers[f"{module}.lora_magnitude_vector"].float()
+        target = family.comfyui_adapter_name(module)
+        out.update(kohya_lora(target, down, up, config.lora_alpha))
+        ratio = base.norm(dim=1) / adapted.norm(dim=1).clamp_min(1e-12)
+        out[f"{target}.dora_scale"] = (magnitude * ratio).reshape(-1, 1).to(up.dtype).contiguous()
+    return out
+
+
+def adapter_kind(config: Any) -> str:
+    """lora, lokr or loha, from a peft config."""
+    return {"LORA": "lora", "LOKR": "lokr", "LOHA": "loha"}[str(config.peft_type.value)]
+
+
+def _alpha(config: Any) -> float:
+    return float(config.lora_alpha if hasattr(config, "lora_alpha") else config.alpha)
+
+
+def baked(layers: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """A LoKr or LoHa state dict (peft's names) with its scale alpha / r multiplied into the first factor
+    of each layer (lokr_w1 or lokr_w1_a, hada_w1_a), so that a loader that scales by 1 without an alpha
+    (ComfyUI, diffusers' LoKr) applies what peft applies."""
+    scale = _alpha(config) / config.r
+    first = (".lokr_w1", ".lokr_w1_a", ".hada_w1_a")
+    modules = {k.rsplit(".", 1)[0] for k in layers}
+    out = dict(layers)
+    for module in modules:
+        key = next((module + f for f in first if module + f in layers), None)
+        if key is None:
+            raise ZerotrainError(f"internal: adapter layer {module} has no first factor among {first}")
+        out[key] = (layers[key].float() * scale).to(layers[key].dtype)
+    return out
+
+
+def converted_lora(meta: torch.nn.Module, weights: dict[str, torch.Tensor], rank: int
+                   ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    """The LoRA of `rank` that peft's convert_to_lora makes of a LoKr or LoHa (an SVD of each layer's
+    delta, the scale baked in: alpha = rank), its layers in bf16, and how close it is: the relative
+    Frobenius error ||delta - B A|| / ||delta|| of the worst layer and the mean over layers."""
+    from peft import convert_to_lora
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    # peft's SVD keeps at most the smaller side of a layer: the rank is capped by the narrowest layer.
+    sides = [min(m.get_base_layer().weight.shape[:2]) for m in meta.modules() if isinstance(m, BaseTunerLayer)]
+    rank = min([rank, *sides])
+    adapter = {n: p for n, p in meta.named_parameters() if is_adapter(n)}
+    held = {n: weights[n].float() for n in adapter}
+    meta.load_state_dict(held, strict=False, assign=True)  # the base stays on meta: only deltas are needed
+    with torch.no_grad(), hidden_warnings():
+        config, state = convert_to_lora(meta, rank=rank, adapter_name=ADAPTER)
+        errors = []
+        layers = dict(meta.named_modules())
+        for key, down in state.items():
+            if key.endswith(".lora_A.weight"):
+                module = key[: -len(".lora_A.weight")]
+                delta = layers[module].get_delta_weight(ADAPTER).float().reshape(state[f"{module}.lora_B.weight"].shape[0], -1)
+                approx = state[f"{module}.lora_B.weight"].float() @ down.float()
+                errors.append(float((delta - approx).norm() / delta.norm().clamp_min(1e-30)))
+    return config, {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, {
+        "rank": rank, "worst_relative_error": max(errors), "mean_relative_error": sum(errors) / len(errors)}
 
 
 def lora_metadata(config: Any) -> dict[str, Any]:
@@ -510,14 +627,7 @@ def comfyui_lora_state_dict(
     """The LoRA in the naming ComfyUI loads for the family (Family.comfyui_lora; kohya's
     "<name>.lora_down.weight" (A), ".lora_up.weight" (B) and ".alpha", ComfyUI and kohya scaling by
     alpha / rank). `layers` is in get_peft_model_state_dict's format ("<module>.lora_A.weight")."""
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for key, down in layers.items():
-        if key.endswith(".lora_A.weight"):
-            module = key[: -len(".lora_A.weight")]
-            up = layers.get(f"{module}.lora_B.weight")
-            if up is None:
-                raise ZerotrainError(f"internal: LoRA {module} has lora_A but no lora_B")
-            pairs[module] = (down, up)
+    pairs = lora_pairs(layers, "internal")
     if len(pairs) * 2 != len(layers):
         extra = sorted(set(layers) - {f"{m}.lora_{x}.weight" for m in pairs for x in "AB"})
         raise ZerotrainError(f"the ComfyUI export supports plain LoRA (lora_A/lora_B) only, found {extra[0]}")

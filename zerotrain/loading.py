@@ -53,10 +53,11 @@ class Choice:
 
 def partitionable(run: RunConfig, stage: int, ds_config: dict[str, Any]) -> bool:
     """Whether the run may load partitioned, weights permitting (planner.memory.partitioned_load
-    counts the same): model.load auto, ZeRO-3, the base not quantized, no NVMe parameter offload."""
+    counts the same): model.load auto, ZeRO-3, the base not quantized, no NVMe parameter offload, no
+    DoRA (its magnitudes start from the norms of the whole weights)."""
     offload_param = ((ds_config.get("zero_optimization") or {}).get("offload_param") or {}).get("device", "none")
     return (run.model.load is Loading.auto and stage == 3 and run.training.quantize_base is Quantization.none
-            and offload_param != "nvme")
+            and offload_param != "nvme" and not run.training.lora.use_dora)
 
 
 def choose(run: RunConfig, stage: int, ds_config: dict[str, Any], device: torch.device,
@@ -66,6 +67,9 @@ def choose(run: RunConfig, stage: int, ds_config: dict[str, Any], device: torch.
     quantized = run.training.quantize_base is not Quantization.none
     if run.model.load is Loading.whole:
         return Choice("whole", "every rank loads the whole model on the host (model.load=whole)")
+    if stage == 3 and run.training.lora.use_dora:
+        return Choice("whole", "every rank loads the whole model on the host (DoRA's magnitudes start from the "
+                               "norms of the whole weights)")
     if partitionable(run, stage, ds_config):
         if isinstance(weights, str):
             return Choice("whole", f"every rank loads the whole model on the host: {weights}")

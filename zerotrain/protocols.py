@@ -298,6 +298,11 @@ class Family(Protocol):
         module to its (lora_A, lora_B) weights; kohya's "<name>.lora_down/.lora_up/.alpha"."""
         ...
 
+    def comfyui_adapter(self, model: torch.nn.Module, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A LoKr or LoHa (peft's names, "<module>.lokr_w1", its scale baked in) in the names ComfyUI's
+        LyCORIS loaders read for this family, without alpha (ComfyUI then scales by 1)."""
+        ...
+
     def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A full fine-tune's denoiser weights in the key naming ComfyUI's "Load Diffusion Model" reads
         (diffusers' own names, which ComfyUI converts, by default)."""

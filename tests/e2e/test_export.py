@@ -24,11 +24,16 @@ import pytest
 import torch
 
 TAG = "step-00000001"
+LORA_FILE = "pytorch_lora_weights.safetensors"
 RANK, ALPHA = 4, 8.0  # alpha / rank = 2: the exported LoRA must carry its scale
 LR = 0.05  # one Adam step moves every trained weight by about this much
 WORKER_TIMEOUT_S = 600  # first use JIT-compiles DeepSpeed's CPU ops (minutes, once)
 FLUX_CASES = [(stage, mode) for stage in (0, 2, 3) for mode in ("full", "lora")]
 OTHER_CASES = [("tiny-sdxl", 0, "lora"), ("tiny-sd3", 0, "lora")]
+# Issue 25: the other adapters (LoKr and DoRA under ZeRO-3, whose hooks must gather their factors),
+# and a LoRA continued from the stage-0 LoRA's export with zero steps.
+VARIANT_CASES = [("tiny-flux", 3, "lokr"), ("tiny-flux", 2, "loha"), ("tiny-flux", 3, "dora")]
+VARIANTS = {"lokr": {"type": "lokr"}, "loha": {"type": "loha"}, "dora": {"use_dora": True}}
 PIPELINES = {"tiny-flux": "FluxPipeline", "tiny-sd3": "StableDiffusion3Pipeline",
              "tiny-sdxl": "StableDiffusionXLPipeline"}
 SIDE = 16
@@ -41,12 +46,15 @@ def case_name(model: str, stage: int, mode: str) -> str:
 # --- the worker --------------------------------------------------------------------------------------
 
 
-def run_config(model_dir: Path, mode: str, output_dir: Path):
+def run_config(model_dir: Path, mode: str, output_dir: Path, init_from: Path | None = None):
     from zerotrain.config import RunConfig
 
-    training = {"mode": mode, "global_batch_size": 1, "micro_batch_size": 1, "gradient_checkpointing": False}
-    if mode == "lora":
-        training["lora"] = {"rank": RANK, "alpha": ALPHA}
+    training = {"mode": "full" if mode == "full" else "lora", "global_batch_size": 1, "micro_batch_size": 1,
+                "gradient_checkpointing": False}
+    if mode in VARIANTS or mode == "lora":
+        training["lora"] = {"rank": RANK, "alpha": ALPHA, **VARIANTS.get(mode, {})}
+    if mode == "init":
+        training["lora"] = {"init_from": str(init_from)}
     return RunConfig.model_validate({
         "model": {"name_or_path": str(model_dir)},
         "training": training,
@@ -58,22 +66,23 @@ def run_config(model_dir: Path, mode: str, output_dir: Path):
     })
 
 
-def train_one_step(model_dir: Path, stage: int, mode: str, run_dir: Path) -> None:
-    """One optimizer step under DeepSpeed, then the run folder as the training loop writes it."""
+def train_one_step(model_dir: Path, stage: int, mode: str, run_dir: Path, init_from: Path | None = None) -> None:
+    """One optimizer step under DeepSpeed (none for mode init, which continues init_from's LoRA), then the
+    run folder as the training loop writes it."""
     import deepspeed
     import yaml
     from safetensors.torch import save_file
 
+    from zerotrain.adapters import apply_lora, resolve
     from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
     from zerotrain.planner.deepspeed_json import deepspeed_config
     from zerotrain.planner.memory import Layout
-    from zerotrain.planner.trace import apply_lora
 
-    run = run_config(model_dir, mode, run_dir)
-    spec = resolve_model(run.model)
+    spec = resolve_model(run_config(model_dir, mode, run_dir, init_from).model)
+    run = resolve(run_config(model_dir, mode, run_dir, init_from), spec)
     model = spec.denoiser_class().from_pretrained(model_dir, subfolder=spec.subfolder, torch_dtype=torch.bfloat16)
-    if mode == "lora":
+    if mode != "full":
         apply_lora(model, spec, run)
     model = model.to(torch.bfloat16)  # peft creates adapters in fp32
     config = deepspeed_config(Layout(stage, micro_batch=1, accumulation=1), run, world_size=1)
@@ -83,8 +92,9 @@ def train_one_step(model_dir: Path, stage: int, mode: str, run_dir: Path) -> Non
     inputs = example_inputs(spec, 1, 64, 64, run.data.text_tokens, "cpu", torch.bfloat16)
     out = engine(**inputs, return_dict=False)[0]
     engine.backward(torch.nn.functional.mse_loss(out.float(), torch.randn_like(out, dtype=torch.float32)))
-    engine.step()
-    assert engine.global_steps == 1
+    if mode != "init":
+        engine.step()
+        assert engine.global_steps == 1
     engine.save_checkpoint(str(run_dir / "checkpoints"), tag=TAG, save_latest=False)
     (run_dir / "checkpoints" / TAG / "zerotrain_state.json").write_text(json.dumps({"step": 1}))
     (run_dir / "checkpoints" / "latest").write_text(TAG)
@@ -104,9 +114,22 @@ def worker(workdir: Path) -> int:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     models = json.loads((workdir / "models.json").read_text())
-    cases = [("tiny-flux", *case) for case in FLUX_CASES] + OTHER_CASES
+    from zerotrain.export import export
+
+    cases = [("tiny-flux", *case) for case in FLUX_CASES] + OTHER_CASES + VARIANT_CASES
     for model, stage, mode in cases:
         train_one_step(Path(models[model]), stage, mode, workdir / case_name(model, stage, mode))
+    from safetensors.torch import load_file, save_file
+
+    first = export(workdir / case_name("tiny-flux", 0, "lora"), out=workdir / "first-export", comfyui=True)
+    train_one_step(Path(models["tiny-flux"]), 0, "init", workdir / case_name("tiny-flux", 0, "init-lora"),
+                   first / "lora" / LORA_FILE)
+    # diffusers' converter of kohya Flux names splits a single block's fused linear1 by the published
+    # widths, so the tiny model continues the double blocks' part of the ComfyUI file.
+    comfy = load_file(first / "comfyui" / f"{case_name('tiny-flux', 0, 'lora')}-{TAG}.safetensors")
+    save_file({k: v for k, v in comfy.items() if "double_blocks" in k}, str(workdir / "comfy-double.safetensors"))
+    train_one_step(Path(models["tiny-flux"]), 0, "init", workdir / case_name("tiny-flux", 0, "init-comfyui"),
+                   workdir / "comfy-double.safetensors")
     return 0
 
 
@@ -401,6 +424,136 @@ def test_lora_export_of_other_families(runs, pipelines, model):
                 torch.testing.assert_close(loaded * layer.scaling["comfy"], delta, rtol=2e-2, atol=1e-4)
         finally:
             pipeline.unload_lora_weights()
+
+
+# --- LoKr, LoHa, DoRA and init_from (issue 25) -------------------------------------------------------
+
+
+def peft_delta(held: dict[str, torch.Tensor], module: str, kind: str, scale: float) -> torch.Tensor:
+    """A LoKr or LoHa layer's delta from its trained factors, as peft builds it (written out here)."""
+    f = {k.removeprefix(module + ".").removesuffix(".default"): v.float() for k, v in held.items()
+         if k.startswith(module + ".")}
+    if kind == "lokr":
+        w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
+        w2 = f["lokr_w2"] if "lokr_w2" in f else f["lokr_w2_a"] @ f["lokr_w2_b"]
+        return torch.kron(w1, w2) * scale
+    return (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"]) * scale
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lokr_and_loha_export_a_converted_lora_diffusers_loads_and_comfyui_factors(runs, pipelines, kind):
+    """Flux's diffusers loader reads LoRA only: the export writes the LoRA peft's convert_to_lora makes
+    (alpha = rank, its fit recorded) and, for ComfyUI, the factors under "transformer.<module>" with the
+    scale in the first factor and no alpha (ComfyUI then scales by 1)."""
+    from safetensors.torch import load_file
+
+    from zerotrain.export import export
+
+    run_dir = runs / case_name("tiny-flux", 3 if kind == "lokr" else 2, kind)
+    out = export(run_dir, TAG, comfyui=True)
+    manifest = json.loads((out / "export.json").read_text())["lora"]
+    # export_rank 64 is capped at tiny-flux's narrowest adapted layer (32), which holds every delta exactly.
+    assert manifest["type"] == kind and manifest["conversion"]["rank"] == 32
+    assert 0 <= manifest["conversion"]["worst_relative_error"] < 0.01
+    held = engine_weights(run_dir)
+    modules = sorted({k.split(f".{'lokr' if kind == 'lokr' else 'hada'}_")[0] for k in held})
+    comfy = load_file(out / "comfyui" / f"{run_dir.name}-{TAG}.safetensors")
+    assert not any(k.endswith(".alpha") for k in comfy)
+    converted = load_file(out / "lora" / "pytorch_lora_weights.safetensors")
+    deltas = lora_deltas(converted, 1.0)
+    for module in modules:
+        expected = peft_delta(held, module, kind, ALPHA / RANK)
+        factors = {k.removeprefix(f"transformer.{module}."): v for k, v in comfy.items()
+                   if k.startswith(f"transformer.{module}.")}
+        baked = {f"{name}.default": t for name, t in factors.items()}
+        tolerance = 1e-2 * float(expected.abs().max())  # bf16 factors
+        torch.testing.assert_close(peft_delta({f"{module}.{k}": v for k, v in baked.items()}, module, kind, 1.0),
+                                   expected, rtol=0, atol=tolerance)
+        torch.testing.assert_close(deltas[module], expected, rtol=0, atol=tolerance)
+    assert any(d.abs().max() > 0 for d in deltas.values())
+    pipeline = pipelines["tiny-flux"]
+    before = generate(pipeline)
+    pipeline.load_lora_weights(out / "lora", adapter_name="converted")
+    try:
+        assert not torch.allclose(before, generate(pipeline))
+    finally:
+        pipeline.unload_lora_weights()
+
+
+def test_dora_export_loads_as_dora_and_its_comfyui_file_applies_peft_weights(runs, models, pipelines):
+    """diffusers loads the DoRA (lora_magnitude_vector) as DoRA. ComfyUI's weight_decompose, written out
+    here, turns the --comfyui file (lora_down/up, alpha, dora_scale (out, 1)) into the weight peft's DoRA
+    trains, m (W0 + s B A) / ||W0 + s B A|| per output row, though it divides by ||W0||."""
+    from safetensors.torch import load_file
+
+    from zerotrain.export import export
+
+    run_dir = runs / case_name("tiny-flux", 3, "dora")
+    out = export(run_dir, TAG, comfyui=True)
+    held = engine_weights(run_dir)
+    comfy = load_file(out / "comfyui" / f"{run_dir.name}-{TAG}.safetensors")
+    base = base_weights(models["tiny-flux"], "transformer")
+    module = "transformer_blocks.0.attn.to_q"
+    down, up = (held[f"{module}.lora_{x}.default.weight"].float() for x in "AB")
+    magnitude = held[f"{module}.lora_magnitude_vector.default.weight"].float()
+    w0 = base[f"{module}.weight"].float()
+    adapted = w0 + ALPHA / RANK * up @ down
+    peft_weight = magnitude[:, None] * adapted / adapted.norm(dim=1, keepdim=True)
+    name = f"transformer.{module}"
+    c_down, c_up = comfy[f"{name}.lora_down.weight"].float(), comfy[f"{name}.lora_up.weight"].float()
+    scale = comfy[f"{name}.alpha"].item() / c_down.shape[0]
+    comfy_calc = w0 + scale * c_up @ c_down
+    dora_scale = comfy[f"{name}.dora_scale"].float()
+    assert dora_scale.shape == (w0.shape[0], 1)
+    comfy_weight = comfy_calc * (dora_scale / w0.norm(dim=1, keepdim=True))
+    torch.testing.assert_close(comfy_weight, peft_weight, rtol=0, atol=2e-2 * float((peft_weight - w0).abs().max()))
+
+    pipeline = pipelines["tiny-flux"]
+    before = generate(pipeline)
+    pipeline.load_lora_weights(out / "lora", adapter_name="dora")
+    try:
+        layer = pipeline.transformer.transformer_blocks[0].attn.to_q
+        assert layer.use_dora["dora"] and layer.scaling["dora"] == ALPHA / RANK
+        torch.testing.assert_close(layer.lora_magnitude_vector["dora"].weight.float(), magnitude)
+        assert not torch.allclose(before, generate(pipeline))
+    finally:
+        pipeline.unload_lora_weights()
+
+
+def test_init_from_an_export_then_no_step_exports_the_same_weights(runs):
+    """Export, init_from, zero steps, export again: the LoRA is the same, tensor for tensor, with its rank
+    and alpha taken from the file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from zerotrain.export import export
+
+    first = runs / "first-export" / "lora" / "pytorch_lora_weights.safetensors"
+    again = export(runs / case_name("tiny-flux", 0, "init-lora"), TAG) / "lora" / "pytorch_lora_weights.safetensors"
+    a, b = load_file(first), load_file(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with safe_open(again, "pt") as handle:
+        metadata = json.loads(handle.metadata()["lora_adapter_metadata"])
+    assert (metadata["transformer.r"], metadata["transformer.lora_alpha"]) == (RANK, ALPHA)
+
+
+def test_init_from_a_comfyui_export_continues_the_same_update(runs):
+    """ComfyUI's Flux names fuse q, k and v (rank 3r there): diffusers' loader splits them and zerotrain
+    cuts them back to rank r, so each layer's B A x scale is the file's."""
+    from safetensors.torch import load_file
+
+    from zerotrain.export import export
+
+    first = load_file(runs / "first-export" / "lora" / LORA_FILE)
+    out = export(runs / case_name("tiny-flux", 0, "init-comfyui"), TAG)
+    manifest = json.loads((out / "export.json").read_text())["lora"]
+    assert manifest["rank"] == RANK
+    again = load_file(out / "lora" / LORA_FILE)
+    got = lora_deltas(again, manifest["alpha"] / manifest["rank"])
+    expected = {m: d for m, d in lora_deltas(first, ALPHA / RANK).items() if m.startswith("transformer_blocks.")}
+    assert expected.keys() == got.keys() and len(got) > 3
+    for module, delta in expected.items():
+        torch.testing.assert_close(got[module], delta, rtol=2e-2, atol=2e-4)
 
 
 # --- errors ------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ def zero(stage: int, offload_param: str = "none") -> dict:
     ((), 2, "none", CPU, WEIGHTS, "whole"),
     (("model.load=whole",), 3, "none", GPU, WEIGHTS, "whole"),
     (("model.load=whole",), 2, "none", GPU, WEIGHTS, "whole"),
+    (("training.mode=lora", "training.lora.use_dora=true"), 3, "none", GPU, WEIGHTS, "whole"),
 ])
 def test_each_layout_loads_the_way_that_costs_one_copy_per_node(overrides, stage, offload_param, device, weights,
                                                                  how):

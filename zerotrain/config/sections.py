@@ -80,7 +80,38 @@ class LoraConfig(_Section):
     target_modules: list[str] | None = None
     """Module names (peft semantics) to adapt; the family's default when not given."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    """Dropout on the LoRA input."""
+    """Dropout on the LoRA input (LoKr and LoHa: peft's module dropout, the share of steps a layer's
+    adapter is left out)."""
+    type: Literal["lora", "lokr", "loha"] = "lora"
+    """The adapter, through peft. lora: B A (rank r). lokr: a Kronecker product w1 (x) w2 (LyCORIS's
+    LoKr): w1 whole, w2 split into two rank-r matrices where r is under half its size; peft builds
+    each layer's full delta at every forward. loha: the Hadamard product of two rank-r LoRAs. The
+    scale is alpha / rank for all three."""
+    use_dora: bool = False
+    """lora only: DoRA, a trained magnitude per output row beside the LoRA direction (peft's
+    use_dora); slower per step than plain LoRA."""
+    factor: int = Field(-1, ge=-1)
+    """lokr only: w1's size along each dimension (LyCORIS's factor; peft's decompose_factor); -1 splits
+    each dimension into its two most balanced factors."""
+    init_from: Path | None = None
+    """Start from this LoRA instead of a fresh one: a LoRA zerotrain exported, or one in the diffusers,
+    kohya or ComfyUI key formats (.safetensors). Its rank, alpha and targets are used; setting
+    different ones here is an error."""
+    export_rank: int = Field(64, ge=1, le=4096)
+    """lokr and loha: where the family's diffusers loader cannot read the adapter (LoHa everywhere,
+    LoKr but for Z-Image and FLUX.2), the export writes a LoRA of this rank converted from it (peft's
+    convert_to_lora, an SVD of each layer's delta; at most the narrowest layer's side) and records
+    how close it is."""
+
+    @model_validator(mode="after")
+    def _type_options(self) -> LoraConfig:
+        if self.use_dora and self.type != "lora":
+            raise ValueError(f"use_dora applies to type lora, not {self.type}; remove it or set type: lora")
+        if self.factor != -1 and self.type != "lokr":
+            raise ValueError(f"factor applies to type lokr, not {self.type}; remove it or set type: lokr")
+        if self.factor == 0:
+            raise ValueError("factor must be -1 (balanced) or a positive size")
+        return self
 
 
 class TrainingConfig(_Section):

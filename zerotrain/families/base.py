@@ -52,6 +52,8 @@ class BaseFamily:
     shift_defaults: ClassVar[dict[str, float]] = {}
     depth_keys: ClassVar[tuple[str, ...]] = ("num_layers",)
     objective: ClassVar[str] = "flow"
+    diffusers_lokr: ClassVar[bool] = False
+    """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2)."""
 
     # --- the model and its latents -----------------------------------------------------------------
 
@@ -172,6 +174,19 @@ class BaseFamily:
 
     def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return weights
+
+    def comfyui_adapter(self, model: torch.nn.Module, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, tensor in layers.items():
+            module, factor = key.rsplit(".", 1)
+            out[f"{self.comfyui_adapter_name(module)}.{factor}"] = tensor.contiguous()
+        return out
+
+    def comfyui_adapter_name(self, module: str) -> str:
+        """The name ComfyUI gives an adapted diffusers module in a LyCORIS file; families whose ComfyUI
+        names are their diffusers paths under a prefix say which."""
+        raise ZerotrainError(f"{self.title}: a LoKr or LoHa has no ComfyUI export yet (a LoRA has); "
+                             "export without --comfyui")
 
 
 def share_blocks(depths: dict[str, int], blocks: int) -> dict[str, int]:

@@ -186,6 +186,11 @@ class Flux(BaseFamily):
             inputs["guidance"] = t
         return inputs
 
+    def comfyui_adapter_name(self, module: str) -> str:
+        """"transformer." + the diffusers module path: ComfyUI maps Flux's diffusers names onto its own
+        (comfy/utils.py flux_to_diffusers), q, k and v onto their rows of the fused qkv."""
+        return f"transformer.{module}"
+
     def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
         """Kohya's Black Forest Labs names (bfl_lora), FLUX.1's modules outside the blocks included."""
         return bfl_lora(model, pairs, alpha, flux_top_module, "Flux")

@@ -197,6 +197,7 @@ def _bfl_target(module: str) -> tuple[str, tuple[str, ...]]:
 class Flux2(BaseFamily):
     name = "flux2"
     title = "FLUX.2"
+    diffusers_lokr = True
     denoiser_classes = ("Flux2Transformer2DModel",)
     vae_class = "AutoencoderKLFlux2"
     pipeline = "Flux2Pipeline"

@@ -274,6 +274,9 @@ class QwenImage(BaseFamily):
             out[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
         return out
 
+    def comfyui_adapter_name(self, module: str) -> str:
+        return f"diffusion_model.{module}"
+
     def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
         """Qwen2.5-VL as wide as joint_attention_dim (its vision tower too, unused for text), and a
         tokenizer that splits the pipeline's template as Qwen's does, so its 34-token prefix drops exactly."""

@@ -99,6 +99,9 @@ class SD3(BaseFamily):
         ComfyUI's comfy/lora.py model_lora_keys_unet maps for SD3)."""
         return kohya_prefixed("lora_transformer_", pairs, alpha)
 
+    def comfyui_adapter_name(self, module: str) -> str:
+        return "lora_transformer_" + module.replace(".", "_")
+
     def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
         """The two CLIPs' penultimate states are concatenated and zero-padded to T5's width
         (joint_attention_dim), so their widths must sum to at most it; their projections concatenate to

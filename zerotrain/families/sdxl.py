@@ -157,6 +157,9 @@ class UNet(BaseFamily):
         model_lora_keys_unet maps SDXL and SD1.x UNets."""
         return kohya_prefixed("lora_unet_", pairs, alpha)
 
+    def comfyui_adapter_name(self, module: str) -> str:
+        return "lora_unet_" + module.replace(".", "_")
+
     def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
         """The two CLIPs' penultimate states concatenate to cross_attention_dim (published 768 + 1280 =
         2048); the second's projection is the pooled `text_embeds`, which the UNet's add_embedding takes

@@ -131,6 +131,7 @@ def check_rope_room(spec: ModelSpec, text_tokens: int, height: int, width: int) 
 class ZImage(BaseFamily):
     name = "z_image"
     title = "Z-Image"
+    diffusers_lokr = True
     denoiser_classes = ("ZImageTransformer2DModel",)
     pipeline = "ZImagePipeline"
     text_components = (("tokenizer", "text_encoder"),)
@@ -214,6 +215,9 @@ class ZImage(BaseFamily):
         for module, (down, up) in pairs.items():
             out.update(kohya_lora(f"diffusion_model.{module}", down, up, alpha))
         return out
+
+    def comfyui_adapter_name(self, module: str) -> str:
+        return f"diffusion_model.{module}"
 
     def comfyui_model(self, weights: dict[str, Any]) -> dict[str, Any]:
         """The original Z-Image layout that ComfyUI's "Load Diffusion Model" reads (as Comfy-Org's

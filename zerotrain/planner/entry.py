@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zerotrain import families
+from zerotrain import adapters, families
 from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts, hardware_facts
@@ -64,6 +64,7 @@ def plan_for_run(run: RunConfig, spec: ModelSpec, world_size: int | None = None,
     config's GPUs) on `hw` (None: hardware.hardware_facts), with the GPU profile's calibration
     (calibrated=False: without, as `zerotrain calibrate` measures the planner's own constants) and
     `facts` (None: measured, or cached unless cache=False)."""
+    run = adapters.resolve(run, spec)
     hw = hw or hardware_facts(run.hardware)
     if world_size is not None:
         per_node = world_size // run.hardware.nodes or 1

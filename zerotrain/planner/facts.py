@@ -8,13 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from zerotrain import families
-
-if TYPE_CHECKING:
-    from zerotrain.config.sections import RunConfig
-    from zerotrain.protocols import ModelSpec
+from typing import Any
 
 
 @dataclass
@@ -186,6 +180,3 @@ def unpack_facts(data: dict[str, Any], key: str) -> ModelFacts | None:
                                  "param_numels": [n for n, count in shared["param_numels"] for _ in range(count)]})
 
 
-def lora_targets(spec: ModelSpec, run: RunConfig) -> list[str]:
-    """training.lora.target_modules, or the family's default targets."""
-    return run.training.lora.target_modules or families.of(spec).default_lora_targets(spec)

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zerotrain import families
+from zerotrain.adapters import measured, targets
 from zerotrain.config.sections import Mode, RunConfig
-from zerotrain.planner.facts import ModelFacts, lora_targets, unpack_facts
+from zerotrain.planner.facts import ModelFacts, unpack_facts
 
 if TYPE_CHECKING:
     from zerotrain.protocols import ModelSpec
@@ -38,8 +39,8 @@ def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str,
         "vae_scale_factor": spec.vae_scale_factor,
         "resolution": run.data.resolution, "text_tokens": text_tokens, "mode": run.training.mode.value,
         "quantize": run.training.quantize_base.value,
-        "lora": run.training.lora.model_dump(mode="json") if lora else None,
-        "targets": lora_targets(spec, run) if lora else None,
+        "lora": measured(run.training.lora) if lora else None,
+        "targets": targets(spec, run) if lora else None,
     }
 
 

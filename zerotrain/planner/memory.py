@@ -92,7 +92,8 @@ class Sizes:
     load_bytes_per_param: int = LP
     """How each process materialises the model on the host before DeepSpeed takes it."""
     load_whole: bool = False
-    """model.load: whole: every rank loads the whole model on the host at once."""
+    """model.load: whole, or a DoRA (loading.partitionable): every rank loads the whole model on the
+    host at once."""
     total_params: int = 0
     param_numels: tuple[int, ...] = ()
     """Elements of every parameter: DeepSpeed pins some host buffers per parameter, and each

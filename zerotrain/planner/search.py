@@ -135,7 +135,7 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         total_params=facts.total_params, param_numels=tuple(facts.param_numels),
         all_trainable=facts.trainable_params == facts.total_params,
         offload_activation_bytes=tuple(facts.offload_input_bytes),
-        load_whole=run.model.load is Loading.whole,
+        load_whole=run.model.load is Loading.whole or run.training.lora.use_dora,
     )
 
 

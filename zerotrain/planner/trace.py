@@ -28,10 +28,11 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry
 
 from zerotrain import families, recompute
+from zerotrain.adapters import apply_lora, is_adapter
 from zerotrain.config.sections import Mode, Quantization, RunConfig
-from zerotrain.planner.facts import ActivationFacts, CheckpointUnit, ModelFacts, lora_targets
+from zerotrain.models.meta import build_meta_model
+from zerotrain.planner.facts import ActivationFacts, CheckpointUnit, ModelFacts
 from zerotrain.protocols import ModelSpec
-from zerotrain.quiet import hidden_warnings
 
 BF16 = 2  # bytes per bf16 element
 
@@ -378,40 +379,13 @@ def _save_input_for_backward(module: torch.nn.Module, args: tuple) -> tuple:
     return tuple(_SaveInput.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
 
 
-def build_meta_model(spec: ModelSpec) -> torch.nn.Module:
-    """The real diffusers class, built from its config on the meta device, in bf16."""
-    from diffusers.utils import logging as diffusers_logging
-
-    verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # the "kept in float32" notice is about from_pretrained
-    try:
-        with torch.device("meta"), hidden_warnings():
-            model = spec.denoiser_class().from_config(spec.config)
-        return model.to(torch.bfloat16)
-    finally:
-        diffusers_logging.set_verbosity(verbosity)
-
-
-def apply_lora(model: torch.nn.Module, spec: ModelSpec, run: RunConfig) -> None:
-    """Inject peft LoRA adapters (on meta, so their parameters are counted exactly) and freeze
-    the base."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    lora = run.training.lora
-    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha or lora.rank, lora_dropout=lora.dropout,
-                        target_modules=lora_targets(spec, run))
-    inject_adapter_in_model(config, model)
-    for name, param in model.named_parameters():
-        param.requires_grad_("lora_" in name)
-
-
 def frozen_storage_bytes(model: torch.nn.Module, quantize: Quantization) -> int:
     """Bytes of the frozen parameters as they will be stored."""
     total = 0
     quantized: set[int] = set()
     if quantize is not Quantization.none:
         for name, module in model.named_modules():
-            if "lora_" in name or not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            if is_adapter(name) or not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
                 continue
             weight = module.weight
             out_features, in_features = weight.shape[0], weight[0].numel()
