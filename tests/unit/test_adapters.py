@@ -136,3 +136,39 @@ def test_a_z_image_lokr_export_loads_in_diffusers_as_trained(tmp_path):
 
     keys = load_file(comfy)
     assert all(k.startswith("diffusion_model.") and ".lokr_" in k for k in keys)
+
+
+def comfyui_flux_diffusers_modules(double: int, single: int) -> set[str]:
+    """The diffusers module names ComfyUI's comfy/utils.py flux_to_diffusers maps for FLUX.1 (written out
+    from it), which its LoRA loader accepts as "transformer.<name>" (q, k and v onto slices of qkv)."""
+    names = {"proj_out", "x_embedder", "context_embedder", "norm_out.linear", "controlnet_x_embedder"}
+    names |= {f"time_text_embed.{e}_embedder.linear_{i}" for e in ("timestep", "text", "guidance") for i in (1, 2)}
+    for i in range(double):
+        names |= {f"transformer_blocks.{i}.{m}" for m in (
+            "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+            "attn.to_out.0", "norm1.linear", "norm1_context.linear", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
+            "ff_context.net.0.proj", "ff_context.net.2")}
+    for i in range(single):
+        names |= {f"single_transformer_blocks.{i}.{m}" for m in (
+            "attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "norm.linear", "proj_out")}
+    return names
+
+
+def test_flux_dev_adapters_take_names_comfyui_maps():
+    """On the published FLUX.1 [dev] built on meta: every layer a LoKr (or LoHa, or DoRA: the same
+    layers) adapts by default is exported as "transformer.<diffusers path>", a name ComfyUI maps onto
+    its own layers."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from zerotrain import families
+    from zerotrain.models.meta import build_meta_model
+
+    run = load_config(None, ["model.name_or_path=flux-dev", "training.mode=lora", *KINDS["lokr"]])
+    spec = resolve_model(run.model)
+    model = build_meta_model(spec)
+    apply_lora(model, spec, run)
+    family = families.of(spec)
+    names = {family.comfyui_adapter_name(n) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+    known = comfyui_flux_diffusers_modules(spec.config["num_layers"], spec.config["num_single_layers"])
+    assert len(names) > 100 and all(n.startswith("transformer.") for n in names)
+    assert {n.removeprefix("transformer.") for n in names} <= known
