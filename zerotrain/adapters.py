@@ -261,7 +261,13 @@ def _file_alphas(path: Path, component: str, alphas: dict | None) -> Any:
     if "lora_alpha" in metadata:
         pattern = metadata.get("alpha_pattern") or {}
         return lambda module, rank: float(pattern.get(module, metadata["lora_alpha"]))
-    named = {k.removeprefix(f"{component}.").removesuffix(".alpha"): float(v) for k, v in (alphas or {}).items()}
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    # Named as the loader names the weights they scale ("<module>.processor.to_k_lora.down.weight.alpha"
+    # for SDXL's kohya files): put into peft's names the same way, then cut to the module.
+    alphas = {k.removeprefix(f"{component}."): v for k, v in (alphas or {}).items() if not k.startswith("text_encoder")}
+    named = {key.split(".lora_A")[0].removesuffix(".alpha"): float(value)
+             for key, value in convert_unet_state_dict_to_peft(alphas).items()}
     return lambda module, rank: named.get(module, float(rank))
 
 

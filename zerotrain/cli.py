@@ -49,9 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from zerotrain.export import export
+    from zerotrain.export import export, notes
 
-    print(f"exported to {export(args.run_dir, tag=args.tag, out=args.out, comfyui=args.comfyui, ema=args.ema)}")
+    out = export(args.run_dir, tag=args.tag, out=args.out, comfyui=args.comfyui, ema=args.ema)
+    print(f"exported to {out}")
+    for line in notes(out):
+        print(line)
     return 0
 
 

@@ -133,6 +133,20 @@ def export(run_dir: Path, tag: str | None = None, out: Path | None = None, comfy
     return out
 
 
+def notes(out: Path) -> list[str]:
+    """What a person should know of an export beyond where it is: how close a converted LoRA is."""
+    manifest = json.loads((Path(out) / MANIFEST).read_text(encoding="utf-8"))
+    fit = (manifest.get("lora") or {}).get("conversion")
+    if not fit:
+        return []
+    kind = manifest["lora"]["type"]
+    line = (f"the {kind} is in {LORA_DIR}/{LORA_WEIGHTS} as a LoRA of rank {fit['rank']} converted by peft "
+            f"(diffusers reads no {kind} for {manifest['model']}): each layer's update is off by "
+            f"{fit['mean_relative_error']:.1%} on average, {fit['worst_relative_error']:.1%} at worst "
+            f"(training.lora.export_rank raises the rank; {MANIFEST})")
+    return [line]
+
+
 # --- reading ---------------------------------------------------------------------------------------
 
 

@@ -170,9 +170,10 @@ def start(run: RunConfig) -> int:
     # finished writing (save() ends with a barrier). The process group is gone: a long export (a
     # large ZeRO-3 model) cannot run into a collective timeout.
     if completed and topo.is_main:
-        from zerotrain.export import export
+        from zerotrain.export import export, notes
 
-        print(f"exported to {export(run.output_dir, ema=run.ema.export)}", flush=True)
+        out = export(run.output_dir, ema=run.ema.export)
+        print(f"exported to {out}", *notes(out), sep="\n", flush=True)
     return 0
 
 

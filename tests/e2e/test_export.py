@@ -451,6 +451,8 @@ def test_lokr_and_loha_export_a_converted_lora_diffusers_loads_and_comfyui_facto
 
     run_dir = runs / case_name("tiny-flux", 3 if kind == "lokr" else 2, kind)
     out = export(run_dir, TAG, comfyui=True)
+    from zerotrain.export import notes
+
     manifest = json.loads((out / "export.json").read_text())["lora"]
     # export_rank 64 is capped at tiny-flux's narrowest adapted layer (32), which holds every delta exactly.
     assert manifest["type"] == kind and manifest["conversion"]["rank"] == 32
@@ -471,6 +473,8 @@ def test_lokr_and_loha_export_a_converted_lora_diffusers_loads_and_comfyui_facto
                                    expected, rtol=0, atol=tolerance)
         torch.testing.assert_close(deltas[module], expected, rtol=0, atol=tolerance)
     assert any(d.abs().max() > 0 for d in deltas.values())
+    [note] = notes(out)
+    assert f"LoRA of rank 32 converted by peft (diffusers reads no {kind} for" in note
     pipeline = pipelines["tiny-flux"]
     before = generate(pipeline)
     pipeline.load_lora_weights(out / "lora", adapter_name="converted")

@@ -29,6 +29,21 @@ def run_of(folder, *extra):
                               "data.resolution=64", "data.text_tokens=8", *extra])
 
 
+def trained_lora(folder, *settings):
+    """A tiny model with a LoRA whose B is random (as if trained), and its layers in peft's names."""
+    from peft import get_peft_model_state_dict
+
+    run = load_config(None, [f"model.name_or_path={folder}", "training.mode=lora", *settings])
+    spec = resolve_model(run.model)
+    model = spec.denoiser_class().from_pretrained(folder, subfolder=spec.subfolder)
+    apply_lora(model, spec, run)
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_()
+    return spec, model, get_peft_model_state_dict(model, adapter_name="default")
+
+
 def test_options_of_one_adapter_are_refused_on_another():
     with pytest.raises(ValidationError, match="use_dora applies to type lora"):
         LoraConfig(type="lokr", use_dora=True)
@@ -62,15 +77,7 @@ def test_init_from_takes_the_files_rank_and_alpha_and_refuses_a_conflict(flux, t
 
     from zerotrain.export import lora_metadata
 
-    run = run_of(flux, "training.lora.alpha=2")
-    spec = resolve_model(run.model)
-    model = spec.denoiser_class().from_pretrained(flux, subfolder=spec.subfolder)
-    apply_lora(model, spec, run)
-    torch.manual_seed(0)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_()
-    layers = get_peft_model_state_dict(model, adapter_name="default")
+    spec, model, layers = trained_lora(flux, "training.lora.rank=4", "training.lora.alpha=2")
     FluxPipeline.save_lora_weights(tmp_path, transformer_lora_layers=layers,
                                    transformer_lora_adapter_metadata=lora_metadata(model.peft_config["default"]))
     path = tmp_path / "pytorch_lora_weights.safetensors"
@@ -172,3 +179,23 @@ def test_flux_dev_adapters_take_names_comfyui_maps():
     known = comfyui_flux_diffusers_modules(spec.config["num_layers"], spec.config["num_single_layers"])
     assert len(names) > 100 and all(n.startswith("transformer.") for n in names)
     assert {n.removeprefix("transformer.") for n in names} <= known
+
+
+@pytest.mark.parametrize("name", ["tiny-sdxl", "tiny-z-image"])
+def test_init_from_reads_the_comfyui_export_of_other_families(name, tmp_path):
+    """kohya's lora_unet_ names (SDXL) and ComfyUI's diffusion_model. names with lora_down / lora_up
+    (Z-Image), read through the family pipeline's own converter: every layer's B A x scale is the
+    file's. (SD3's OneTrainer names, which ComfyUI reads, diffusers does not: not tried here.)"""
+    from safetensors.torch import save_file
+
+    from zerotrain.export import comfyui_lora_state_dict
+
+    spec, model, layers = trained_lora(build_tiny_pipeline(name, tmp_path / name), "training.lora.rank=2",
+                                       "training.lora.alpha=6")
+    comfy = comfyui_lora_state_dict(spec, model, layers, 6.0)
+    save_file({k: v.contiguous() for k, v in comfy.items()}, str(tmp_path / "comfy.safetensors"))
+    found = read_lora(tmp_path / "comfy.safetensors", spec)
+    assert found.rank == 2 and set(found.layers) == {k.removesuffix(".lora_A.weight") for k in layers if "lora_A" in k}
+    for module, (down, up) in found.layers.items():
+        expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * 3.0
+        torch.testing.assert_close(up @ down * (found.alpha / found.rank), expected, rtol=1e-4, atol=1e-5)
