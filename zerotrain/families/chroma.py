@@ -32,7 +32,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.base import BaseFamily, check_tokens, example_timestep, meta_or_random
+from zerotrain.families.base import check_tokens, example_timestep, meta_or_random
 from zerotrain.families.flux import (
     FLUX_PATCH,
     FLUX_SCHEDULER,
@@ -202,9 +202,6 @@ class Chroma(Flux):
             if key in kwargs:
                 kwargs[key] = kwargs[key] > 0.5
         return kwargs
-
-    def comfyui_adapter_name(self, module: str) -> str:
-        return BaseFamily.comfyui_adapter_name(self, module)  # Flux's diffusers-name table is not Chroma's
 
     def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
         """FLUX.1's kohya names (ComfyUI's Chroma is a Flux model and maps LoRAs as Flux's), the

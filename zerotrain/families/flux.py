@@ -188,7 +188,8 @@ class Flux(BaseFamily):
 
     def comfyui_adapter_name(self, module: str) -> str:
         """"transformer." + the diffusers module path: ComfyUI maps Flux's diffusers names onto its own
-        (comfy/utils.py flux_to_diffusers), q, k and v onto their rows of the fused qkv."""
+        (comfy/utils.py flux_to_diffusers), q, k and v onto their rows of the fused qkv. Its Chroma and
+        Flux2 models subclass its Flux (comfy/model_base.py), so Chroma's names map the same way."""
         return f"transformer.{module}"
 
     def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:

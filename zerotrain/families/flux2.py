@@ -314,6 +314,12 @@ class Flux2(BaseFamily):
             kwargs["guidance"] = torch.full((b,), objective.config.guidance, device=x_t.device)
         return kwargs, self.target_layout(target)
 
+    def comfyui_adapter_name(self, module: str) -> str:
+        """"transformer." + the diffusers module path: ComfyUI's Flux2 model subclasses its Flux, whose
+        table of diffusers names (comfy/utils.py flux_to_diffusers) holds FLUX.2's too (ff.linear_in,
+        attn.to_qkv_mlp_proj, attn.to_out), q, k and v onto their rows of the fused qkv."""
+        return f"transformer.{module}"
+
     def target_layout(self, latents: Any) -> Any:
         from diffusers import Flux2Pipeline
 
