@@ -154,7 +154,8 @@ def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entry]
     of photo.jpg (any image extensions), not an image of its own."""
     files = sorted(p for p in dataset.path.rglob("*") if p.is_file() and not p.name.startswith("."))
     pictures = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
-    stems = {p.with_suffix("") for p in pictures}
+    images = [p for p in pictures if p.with_suffix("").suffix != MASK_SUFFIX]
+    stems = {p.with_suffix("") for p in images}
     masks: dict[Path, Path] = {}
     for p in pictures:
         stem = p.with_suffix("")
@@ -163,8 +164,6 @@ def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entry]
                 masks[stem.with_suffix("")] = p
             else:
                 discovery.verdicts.append(Verdict(p, "mask without image", rejected=False))
-    images = [p for p in pictures if p.with_suffix("").suffix != MASK_SUFFIX]
-    stems = {p.with_suffix("") for p in images}
     entries = []
     for caption_file in (p for p in files if p.suffix == dataset.caption_extension):
         if caption_file.with_suffix("") not in stems:
