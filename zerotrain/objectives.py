@@ -16,8 +16,9 @@ its seed.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -49,6 +50,9 @@ class Prepared:
     """(batch,) float32 per-sample loss weights, or None for uniform weights."""
     mask: torch.Tensor | None = None
     """Float32 per-element loss weights laid out as the target (the samples' loss masks), or None."""
+    references: int = 0
+    """Edit training: reference images appended after the target's tokens; the denoiser's output is
+    cut back to the target's tokens before it is scored."""
 
 
 class Objective(Protocol):
@@ -81,12 +85,22 @@ def make_objective(
 # Shared pieces: latents from the cached posterior, and the loss.
 
 
-def choose_flip(
-    batch: dict[str, torch.Tensor], generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+class Chosen(NamedTuple):
+    """A batch's samples as this step trains them: each flipped or not (choose_flip)."""
+
+    mean: torch.Tensor
+    """The latent posterior's mean (B, C, h, w)."""
+    std: torch.Tensor
+    mask: torch.Tensor | None
+    """The loss mask (B, 1, h, w), when the batch carries loss_mask (B, h, w)."""
+    references: list[torch.Tensor]
+    """Edit training: each reference's clean latents (B, C, h_r, w_r), in reference order."""
+
+
+def choose_flip(batch: dict[str, torch.Tensor], generator: torch.Generator) -> Chosen:
     """The latent posterior (mean, std) of each sample, (B, C, h, w): the horizontally flipped one with
-    probability 1/2 per sample when the batch carries latent_flip_mean/std, else the plain one; and
-    the loss mask (B, 1, h, w), flipped with its sample, when the batch carries loss_mask (B, h, w)."""
+    probability 1/2 per sample when the batch carries latent_flip_mean/std, else the plain one; the
+    loss mask and the references (reference_0, reference_1, ...), flipped with their sample."""
     mean, std = batch["latent_mean"], batch["latent_std"]
     _check_latents(mean, "latent_mean")
     _check_same(std, mean, "latent_std", "latent_mean")
@@ -94,8 +108,14 @@ def choose_flip(
     if mask is not None:
         _check_same(mask, mean[:, 0], "loss_mask", "latent_mean[:, 0]")
         mask = mask.float().unsqueeze(1)
+    references = [batch[f"reference_{r}"] for r in range(sum(1 for k in batch if re.fullmatch(r"reference_\d+", k)))]
+    for r, reference in enumerate(references):
+        _check_latents(reference, f"reference_{r}")
+        if reference.shape[:2] != mean.shape[:2]:
+            raise ValueError(f"reference_{r} {tuple(reference.shape)} must have the batch and channels of "
+                             f"latent_mean {tuple(mean.shape)}")
     if "latent_flip_mean" not in batch:
-        return mean, std, mask
+        return Chosen(mean, std, mask, references)
     flip_mean, flip_std = batch["latent_flip_mean"], batch["latent_flip_std"]
     _check_same(flip_mean, mean, "latent_flip_mean", "latent_mean")
     _check_same(flip_std, mean, "latent_flip_std", "latent_mean")
@@ -103,7 +123,8 @@ def choose_flip(
     pick = flip.view(-1, 1, 1, 1)
     if mask is not None:
         mask = torch.where(pick, torch.flip(mask, dims=[3]), mask)
-    return torch.where(pick, flip_mean, mean), torch.where(pick, flip_std, std), mask
+    references = [torch.where(pick, batch[f"reference_{r}_flip"], reference) for r, reference in enumerate(references)]
+    return Chosen(torch.where(pick, flip_mean, mean), torch.where(pick, flip_std, std), mask, references)
 
 
 def sample_posterior(mean: torch.Tensor, std: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -220,7 +241,7 @@ class FlowMatching:
         return float(self.scheduler_config.get("shift", 1.0))
 
     def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:
-        mean, std, mask = choose_flip(batch, generator)
+        mean, std, mask, references = choose_flip(batch, generator)
         x0 = sample_posterior(mean, std, generator)
         b, _, h, w = x0.shape
         tokens = self.family.latent_tokens(self.spec, h, w)
@@ -229,13 +250,30 @@ class FlowMatching:
         noise = _randn(x0.shape, generator, x0.device)
         x_t = flow_interpolate(x0, noise, sigma)
         kwargs, target = self.family.flow_inputs(self, x_t, flow_target(x0, noise), sigma, batch)
+        if references:  # clean reference tokens after the noisy ones, as the family's edit pipeline appends them
+            kwargs = self.family.add_references(self.spec, kwargs, [r.float() for r in references])
         if mask is not None:  # laid out as the target: the family packs it as it packs the target
             mask = self.family.target_layout(mask.expand_as(x0).contiguous())
-        return Prepared(model_kwargs=kwargs, target=target, weights=dataset_weights(batch, None), mask=mask)
+        return Prepared(model_kwargs=kwargs, target=target, weights=dataset_weights(batch, None), mask=mask,
+                        references=len(references))
 
     def loss(self, pred: Any, prepared: Prepared) -> torch.Tensor:
-        """pred: the first element of the denoiser's return_dict=False output."""
-        return mse_loss(self.family.prediction(pred), prepared.target, prepared.weights, prepared.mask)
+        """pred: the first element of the denoiser's return_dict=False output; with references, its
+        target tokens (the first ones, as the edit pipelines cut noise_pred) are scored."""
+        pred = self.family.prediction(pred)
+        if prepared.references:
+            pred = target_tokens(pred, prepared.target)
+        return mse_loss(pred, prepared.target, prepared.weights, prepared.mask)
+
+
+def target_tokens(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The target's tokens of an edit prediction (B, L_target + L_references, C): the first L_target,
+    as FluxKontextPipeline, Flux2Pipeline and QwenImageEditPipeline cut noise_pred[:, :L_target]."""
+    if pred.ndim != 3 or target.ndim != 3 or pred.shape[0] != target.shape[0] or pred.shape[2] != target.shape[2] \
+            or pred.shape[1] < target.shape[1]:
+        raise ValueError(f"target_tokens: an edit prediction {tuple(pred.shape)} does not hold the target's "
+                         f"{tuple(target.shape)} tokens first")
+    return pred[:, :target.shape[1]]
 
 
 def make_flow_matching(
@@ -325,7 +363,9 @@ class DDPM:
     def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:
         from diffusers.training_utils import compute_snr
 
-        mean, std, mask = choose_flip(batch, generator)
+        mean, std, mask, references = choose_flip(batch, generator)
+        if references:
+            raise ZerotrainError("edit training is for flow-matching models; this DDPM model takes no references")
         x0 = sample_posterior(mean, std, generator)
         b = x0.shape[0]
         text, pooled = text_and_pooled(batch, b)

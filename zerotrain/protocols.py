@@ -44,6 +44,10 @@ class ModelSpec:
     """Where weights come from: a hub id or a local folder; None for a bare config.json."""
     subfolder: str | None
     """Subfolder of `pretrained` (or of a saved pipeline folder) that holds the denoiser."""
+    pipeline_class: str | None = None
+    """The diffusers pipeline the model was published with (its model_index.json's _class_name, or
+    the catalog's): what tells an edit model (FluxKontextPipeline) from the text-to-image model that
+    shares its denoiser class; None for a bare config.json."""
 
     def denoiser_class(self) -> type:
         """The diffusers class itself (imported lazily: diffusers takes seconds to import)."""
@@ -263,6 +267,33 @@ class Family(Protocol):
     ) -> dict[str, Any]:
         """Keyword arguments for one training forward of the denoiser, shaped as the pipeline shapes
         them, for the planner's trace. Values are uninitialised on meta, random elsewhere."""
+        ...
+
+    # --- references (edit training) ----------------------------------------------------------------
+
+    def max_references(self, spec: ModelSpec) -> int:
+        """How many reference (control) images this model's pipeline takes: 0 for a text-to-image
+        model."""
+        ...
+
+    def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
+                       area: int | None) -> tuple[int, int]:
+        """The (width, height) in pixels a reference is encoded at, as the pipeline sizes it, for a
+        target (its bucket) and a control image of these (width, height) sizes; `area`: a side whose
+        square is the reference's area instead of the pipeline's (data.control_resolution)."""
+        ...
+
+    def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[torch.Tensor]) -> dict[str, Any]:
+        """The denoiser's forward arguments (flow_inputs' or example_inputs') with the references'
+        clean latents (each (B, C, h, w), normalized as the target's) appended after the noisy tokens,
+        with their position ids and timesteps, exactly as the pipeline appends them. The denoiser's
+        output then holds the target's tokens first; only they are scored."""
+        ...
+
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+        """The pipeline __call__ arguments that give it these reference images (PIL, already at
+        reference_size), so that it encodes them at the size they are given and renders (width,
+        height) = `size`."""
         ...
 
     # --- validation images -------------------------------------------------------------------------

@@ -118,6 +118,7 @@ class Validator:
         self.guidance_scale = self.family.default_guidance if guidance is None else guidance
         self.cfg = self.family.classifier_free(self.guidance_scale) and self.family.takes_negative(spec, self.folder)
         self.jobs = make_jobs(self.config.prompts, self.config.seeds)
+        self.controls = [self._references(images, run.data.control_resolution) for images in self.config.controls]
         self.prompt_embeds: list[dict[str, torch.Tensor]] = []
         self.negative_embeds: dict[str, torch.Tensor] = {}
         if self.jobs:
@@ -138,6 +139,29 @@ class Validator:
                 self.negative_embeds = self.family.negative_embeds(self.folder, self.config.negative_prompt, negative)
         finally:
             free(encoders)
+
+    def _references(self, images: list[Path], area: int | None) -> list[Any]:
+        """One prompt's control images, each resized and cropped to the size training encodes a
+        reference of a square target at the validation resolution (Family.reference_size)."""
+        from zerotrain.data.buckets import apply_crop, plan_crop
+        from zerotrain.data.images import ImageRejected, load_rgb
+
+        most = self.family.max_references(self.spec)
+        if len(images) > most:
+            raise ZerotrainError(f"validation.controls: {len(images)} images for one prompt, but "
+                                 f"{self.family.pipeline_name(self.spec)} takes {f'at most {most}' if most else 'none'}; "
+                                 "give each prompt fewer (none for a text-to-image model)")
+        side = (self.resolution, self.resolution)
+        out = []
+        for path in images:
+            try:
+                image = load_rgb(path)
+            except (ImageRejected, OSError) as err:
+                raise ZerotrainError(f"validation.controls: {path}: {getattr(err, 'reason', err)}; "
+                                     "use an image zerotrain can read") from None
+            size = self.family.reference_size(self.spec, side, image.size, area)
+            out.append(apply_crop(image, plan_crop(*image.size, size, "center", None)))
+        return out
 
     def due(self, step: int, last_step: int, resumed: bool) -> bool:
         """Whether to render after `step` optimizer steps of a run that ends at `last_step`
@@ -201,6 +225,9 @@ class Validator:
 
         negative = place(self.negative_embeds) if self.cfg else None
         kwargs = self.family.validation_kwargs(place(self.prompt_embeds[job.prompt_index]), negative, self.guidance_scale)
+        if self.controls and self.controls[job.prompt_index]:  # an edit: the prompt's reference images
+            kwargs.update(self.family.reference_kwargs(self.spec, self.controls[job.prompt_index],
+                                                       (self.resolution, self.resolution)))
         out = pipeline(**kwargs, height=self.resolution, width=self.resolution,
                        num_inference_steps=self.config.steps,
                        generator=torch.Generator(device="cpu").manual_seed(job.seed), output_type="pil")

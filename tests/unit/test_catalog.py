@@ -28,6 +28,9 @@ CATALOG_DIR = Path(__file__).resolve().parents[2] / "zerotrain" / "models" / "ca
 PARAMETERS = {
     "flux-dev": 11_901_408_320,
     "flux-schnell": 11_891_178_560,
+    # FLUX.1 Kontext [dev] is FLUX.1 [dev]'s architecture (black-forest-labs/FLUX.1-Kontext-dev transformer/config.json).
+    "flux-kontext-dev": 11_901_408_320,
+    "tiny-flux-kontext": 78_544,
     "sd3.5-large": 8_056_627_520,
     "sd3.5-medium": 2_243_171_520,
     "sdxl-base": 2_567_463_684,

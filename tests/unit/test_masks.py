@@ -102,7 +102,7 @@ def test_the_mask_flips_with_its_sample():
     mask = torch.rand(16, 4, 6)
     batch = {"latent_mean": mean, "latent_std": torch.ones_like(mean), "latent_flip_mean": mean.flip(-1),
              "latent_flip_std": torch.ones_like(mean), "loss_mask": mask}
-    chosen, _, laid = choose_flip(batch, torch.Generator().manual_seed(0))
+    chosen, _, laid, _ = choose_flip(batch, torch.Generator().manual_seed(0))
     flipped = [torch.equal(chosen[i], mean[i].flip(-1)) for i in range(16)]
     assert 0 < sum(flipped) < 16
     for i in range(16):

@@ -13,6 +13,8 @@ from zerotrain.config.sections import RunConfig
 PLAN_FLAGS = {
     "model": "model.name_or_path",
     "resolution": "data.resolution",
+    "references": "data.references",
+    "control_resolution": "data.control_resolution",
     "gpus": "hardware.gpus",
     "nodes": "hardware.nodes",
     "gpu_memory": "hardware.gpu_memory",
@@ -34,6 +36,10 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set training.lora.rank=32 (repeatable)")
     p.add_argument("--model", help="catalog name, diffusers config.json, model folder or hub id")
     p.add_argument("--resolution", type=int, help="training resolution in pixels (default 1024)")
+    p.add_argument("--references", type=int, metavar="N",
+                   help="edit models: reference images per sample (default: the datasets' controls, else none)")
+    p.add_argument("--control-resolution", type=int, metavar="PX",
+                   help="edit models: encode references at about PX x PX pixels (default: the pipeline's size)")
     p.add_argument("--gpus", help="auto, a profile like 8xA100-80GB, or a count with --gpu-memory")
     p.add_argument("--nodes", type=int, help="number of nodes")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 48GiB")

@@ -204,12 +204,26 @@ class DatasetConfig(_Section):
     out, to make up the share. The datasets without a share fill the rest by their repeats."""
     loss_weight: float = Field(1.0, gt=0.0)
     """Weight of this dataset's samples in the loss (prior preservation's weight, for example)."""
+    controls: list[Path] = Field(default_factory=list, max_length=16)
+    """Edit training (a folder dataset): folders of control (reference) images, one per reference, each
+    matched to a target image by file stem (src/cat.png for cat.jpg, any image extension). The caption
+    is the edit instruction. A manifest names its controls per line instead ("control": a path or a
+    list, or musubi-tuner's "control_path_0".."control_path_N")."""
 
     @field_validator("path")
     @classmethod
     def _exists(cls, value: Path) -> Path:
         if not value.exists():
             raise ValueError(f"{value} does not exist (relative paths are from the working directory)")
+        return value
+
+    @field_validator("controls")
+    @classmethod
+    def _folders(cls, value: list[Path]) -> list[Path]:
+        for folder in value:
+            if not folder.is_dir():
+                raise ValueError(f"control folder {folder} does not exist or is not a folder (relative paths are "
+                                 "from the working directory)")
         return value
 
 
@@ -249,7 +263,15 @@ class DataConfig(_Section):
     model keeps the unconditional branch classifier-free guidance uses; SimpleTuner's default is
     0.05. Drawn per sample from the seed and the epoch, so a resume draws the same."""
     flip: bool = False
-    """Also cache horizontally flipped latents and use them for half of the samples."""
+    """Also cache horizontally flipped latents and use them for half of the samples (a sample's
+    references flip with it)."""
+    control_resolution: int | None = Field(None, ge=64, le=4096)
+    """Edit training: encode each reference at about this many pixels squared, at its own aspect; the
+    family pipeline's size when not given (Kontext: the target's size; FLUX.2: the control's own,
+    at most 1024 x 1024 pixels)."""
+    references: int | None = Field(None, ge=0, le=16)
+    """Edit training: reference images per sample, for `zerotrain plan` before any data is read (the
+    datasets' controls when not given; --references on the command line)."""
     mask: Literal["file", "alpha", "none"] = "file"
     """Masked loss. file: an image with a mask beside it (photo.mask.png for photo.jpg, or a manifest
     line's "mask") weights its loss per latent pixel by the mask's gray level (white 1, black 0);
@@ -466,6 +488,21 @@ class ValidationConfig(_Section):
     """Negative prompt for classifier-free guidance (every family but Flux and FLUX.2 [dev])."""
     use_ema: bool = False
     """Render with the EMA weights (needs ema.enabled)."""
+    controls: list[list[Path]] = []
+    """Edit models: each prompt's reference images (a list per prompt, in prompt order), sized as
+    training sizes them and given to the family's edit pipeline."""
+
+    @model_validator(mode="after")
+    def _controls(self) -> ValidationConfig:
+        if self.controls and len(self.controls) != len(self.prompts):
+            raise ValueError(f"validation.controls: {len(self.controls)} lists for {len(self.prompts)} prompts; "
+                             "give one list of control images per prompt")
+        for i, images in enumerate(self.controls):
+            for image in images:
+                if not image.is_file():
+                    raise ValueError(f"validation.controls[{i}]: {image} does not exist (relative paths are from "
+                                     "the working directory)")
+        return self
 
 
 class EmaConfig(_Section):

@@ -3,13 +3,14 @@ encoders, store safetensors shards, train from memory-mapped shards.
 
 Layout of data.cache_dir:
     latents/<rank>-<uuid>.safetensors   tensors "<key>.mean", "<key>.std" (+ ".flip_mean", ".flip_std",
-                                        and ".mask" (h, w) where the image has a loss mask)
+                                        ".mask" (h, w) where the image has a loss mask, and
+                                        ".ref<i>" (+ ".ref<i>_flip") per reference of an edit sample)
     text/<rank>-<uuid>.safetensors      tensors "<key>.<name>", name as the family's encode_prompt outputs
     index.json                          key -> shard, merged after every build (a speed-up only)
 
 Keys are content addresses. A latent key hashes the image file's identity (path, size,
-mtime), its mask file's where it has one, its bucket and crop, the VAE's identity and the stored
-dtype; a text key hashes the
+mtime), its mask file's where it has one, each control image's and its crop (edit training), its
+bucket and crop, the VAE's identity and the stored dtype; a text key hashes the
 caption, the text encoders' identity and the sequence length. A changed image or caption gets a
 new key, so only it is encoded again; nothing else needs invalidating.
 
@@ -72,6 +73,14 @@ class Planned:
     """One per text the item may train with (Item.texts), in that order."""
     empty_key: str = ""
     """The empty caption's key where the item's samples drop their caption (caption_dropout), else ""."""
+    reference_crops: tuple[CropPlan, ...] = ()
+    """Edit training: how each control image becomes its reference (its bucket: the reference's
+    size, Family.reference_size)."""
+
+    @property
+    def group(self) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """What the samples of one batch share: the target's bucket and every reference's size."""
+        return self.bucket_id, tuple(crop.bucket for crop in self.reference_crops)
 
     @property
     def text_key(self) -> str:
@@ -116,6 +125,7 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
     family = families.of(spec)
     buckets = make_buckets(data.resolution, bucket_step(data.bucket_step, family.pixel_factor(spec)), data.max_aspect_ratio)
     text_tokens = data.text_tokens or family.default_text_tokens
+    check_references(discovery, spec)
     planned, skipped = [], []
     for item in discovery.items:
         bucket = assign_bucket(item.width, item.height, buckets)
@@ -125,12 +135,43 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
         if crop.upscaled and data.upscale == "skip":
             skipped.append(Verdict(item.image, f"smaller than its bucket {bucket[0]}x{bucket[1]} (data.upscale=skip)"))
             continue
+        references = tuple(reference_crop(family.reference_size(spec, bucket, size, data.control_resolution), size,
+                                          crop, (item.width, item.height)) for size in item.control_sizes)
         latent_key = _digest(CACHE_VERSION, *_file_identity(item.image), crop, identity, str(STORE_DTYPE), data.flip,
-                             *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []))
+                             *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []),
+                             *[("control", *_file_identity(path), plan)
+                               for path, plan in zip(item.controls, references, strict=True)])
         text_keys = tuple(text_key(text, identity, text_tokens, spec) for text in item.texts)
         empty = text_key("", identity, text_tokens, spec) if item.caption_dropout > 0 else ""
-        planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_keys, empty))
+        planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_keys, empty, references))
     return planned, skipped
+
+
+def check_references(discovery: Discovery, spec: ModelSpec) -> None:
+    """One line when a dataset gives references to a model that takes none, or more than it takes."""
+    family = families.of(spec)
+    most = family.max_references(spec)
+    counts: dict[int, int] = {}
+    for item in discovery.items:
+        counts[item.dataset] = max(counts.get(item.dataset, 0), len(item.controls))
+    for dataset, count in sorted(counts.items()):
+        if count and not most:
+            raise ZerotrainError(f"data.datasets[{dataset}]: {count} control image(s) per target, but "
+                                 f"{spec.name} ({family.pipeline_name(spec)}) takes no reference images; remove "
+                                 "its controls, or train an edit model (flux-kontext-dev, FLUX.2)")
+        if count > most:
+            raise ZerotrainError(f"data.datasets[{dataset}]: {count} control images per target, but "
+                                 f"{family.pipeline_name(spec)} takes at most {most}; give each target fewer")
+
+
+def reference_crop(size: tuple[int, int], control: tuple[int, int], target_crop: CropPlan,
+                   target: tuple[int, int]) -> CropPlan:
+    """How a control image becomes a reference of `size`: cropped as its target is where it has the
+    target's size and the reference the bucket's (so that a random crop cuts both alike), else
+    resized to cover `size` and cropped at the centre."""
+    if control == target and size == target_crop.bucket:
+        return target_crop
+    return plan_crop(*control, size, "center", None)
 
 
 def _file_identity(path: Path) -> tuple[str, int, int]:
@@ -275,6 +316,36 @@ def _encode_images(encoders, batch: list[Planned], run: RunConfig, device, tenso
     for p, mask in zip(kept, masks, strict=True):
         if p.item.mask is not None:
             tensors[f"{p.latent_key}.mask"] = latent_mask(mask, p.crop, mean.shape[-2:])
+    rejected += _encode_references(encoders, kept, run, device, tensors, encode_moments)
+    return rejected
+
+
+def _encode_references(encoders, kept: list[Planned], run: RunConfig, device, tensors: dict,
+                       encode_moments) -> list[Verdict]:
+    """Each item's references, encoded one at a time (their sizes differ) into `tensors` as
+    "<key>.ref<i>" (and ".ref<i>_flip" with data.flip): the normalized posterior mean, which is what
+    the edit pipelines encode (retrieve_latents' argmax). An item whose control fails to decode now
+    loses all its tensors and becomes a verdict."""
+    rejected = []
+    for p in kept:
+        try:
+            encoded = {}
+            for i, (control, crop) in enumerate(zip(p.item.controls, p.reference_crops, strict=True)):
+                image = apply_crop(load_rgb(control, run.data.background, min_target=crop.resized_size), crop)
+                array = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+                x = array.view(image.height, image.width, 3).permute(2, 0, 1)[None].to(device=device,
+                                                                                      dtype=torch.float32)
+                x = x / 127.5 - 1.0
+                variants = [("", x)] + ([("_flip", torch.flip(x, dims=[3]))] if run.data.flip else [])
+                for suffix, pixels in variants:
+                    mean, _ = encode_moments(encoders, pixels.to(encoders.vae.dtype))
+                    encoded[f"{p.latent_key}.ref{i}{suffix}"] = mean[0].to(STORE_DTYPE).cpu()
+        except (ImageRejected, OSError) as err:
+            rejected.append(Verdict(p.item.image, f"control {control}: {getattr(err, 'reason', 'unreadable')}"))
+            for name in [k for k in tensors if k.startswith(f"{p.latent_key}.")]:
+                del tensors[name]
+            continue
+        tensors.update(encoded)
     return rejected
 
 
@@ -368,6 +439,10 @@ class CachedDataset(torch.utils.data.Dataset):
         if self.flip:  # horizontally flipped moments; the training step picks one of the two per sample
             sample["latent_flip_mean"] = latents.get_tensor(f"{p.latent_key}.flip_mean")
             sample["latent_flip_std"] = latents.get_tensor(f"{p.latent_key}.flip_std")
+        for r in range(len(p.reference_crops)):  # edit training: each reference's clean latents
+            sample[f"reference_{r}"] = latents.get_tensor(f"{p.latent_key}.ref{r}")
+            if self.flip:
+                sample[f"reference_{r}_flip"] = latents.get_tensor(f"{p.latent_key}.ref{r}_flip")
         for name in self._names(self.index["text"][key], text)[key]:
             sample[name] = text.get_tensor(f"{key}.{name}")
         return sample

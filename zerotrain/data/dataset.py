@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,10 @@ class Item:
     mask: Path | None = None
     """Its loss mask: a mask file, or the image itself where its alpha channel is the mask
     (data.mask=alpha); None to train unmasked."""
+    controls: tuple[Path, ...] = ()
+    """Edit training: its control (reference) images, in reference order."""
+    control_sizes: tuple[tuple[int, int], ...] = ()
+    """Each control's upright (width, height)."""
 
     @property
     def mask_alpha(self) -> bool:
@@ -145,8 +150,23 @@ def _caption_texts(text: str, dataset: DatasetConfig) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()] or [""]
 
 
-Entry = tuple[Path, list[str] | None, Path | None]
-"""An image, its captions (None when it has none) and its mask file (None when it has none)."""
+@dataclass(frozen=True)
+class Entry:
+    """An image as its dataset lists it, before it is checked."""
+
+    image: Path
+    texts: list[str] | None
+    """Its captions; None when it has none."""
+    mask: Path | None = None
+    """Its mask file; None when it has none."""
+    controls: tuple[Path, ...] = ()
+    """Its control images, in reference order."""
+    missing: str = ""
+    """Why a control it should have is missing (a folder dataset whose control folder lacks it)."""
+
+
+# musubi-tuner's manifest keys for control images: control_path_0, control_path_1, ...
+_MUSUBI_CONTROL = re.compile(r"^control_path_(\d+)$")
 
 
 def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entry]:
@@ -168,17 +188,29 @@ def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entry]
     for caption_file in (p for p in files if p.suffix == dataset.caption_extension):
         if caption_file.with_suffix("") not in stems:
             discovery.verdicts.append(Verdict(caption_file, "caption without image", rejected=False))
+    control_stems = [_image_stems(folder) for folder in dataset.controls]
     for image in images:
         caption_file = image.with_suffix(dataset.caption_extension)
         mask = masks.get(image.with_suffix(""))
+        stem = image.relative_to(dataset.path).with_suffix("")
+        found = [by_stem.get(stem) for by_stem in control_stems]
+        missing = next((f"control missing: no {folder / stem}.* in control folder {folder}"
+                        for folder, path in zip(dataset.controls, found, strict=True) if path is None), "")
+        controls = tuple(path for path in found if path is not None)
         if not caption_file.is_file():
-            entries.append((image, None, mask))
+            entries.append(Entry(image, None, mask, controls, missing))
             continue
         try:
-            entries.append((image, _caption_texts(read_caption(caption_file), dataset), mask))
+            entries.append(Entry(image, _caption_texts(read_caption(caption_file), dataset), mask, controls, missing))
         except UnicodeDecodeError:
             discovery.verdicts.append(Verdict(image, f"caption not UTF-8 ({caption_file.name})"))
     return entries
+
+
+def _image_stems(folder: Path) -> dict[Path, Path]:
+    """A control folder's images by their path without extension, relative to the folder."""
+    return {p.relative_to(folder).with_suffix(""): p for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")}
 
 
 def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entry]:
@@ -191,16 +223,43 @@ def _manifest_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entr
             record = json.loads(line)
             image, caption, mask = record["image"], record.get("caption"), record.get("mask")
             captions = [caption] if isinstance(caption, str) else caption
+            controls = _manifest_controls(record)
             if not isinstance(image, str) or not isinstance(mask, (str, type(None))) or not (captions is None or (
                     isinstance(captions, list) and captions and all(isinstance(c, str) for c in captions))):
                 raise TypeError
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             discovery.verdicts.append(Verdict(dataset.path, f"manifest line {number} is not "
-                                              '{"image": path, "caption": text or [texts], "mask": path}'))
+                                              '{"image": path, "caption": text or [texts], "mask": path, '
+                                              '"control": path or [paths]}'))
             continue
         texts = None if captions is None else [t for c in captions for t in _caption_texts(c.strip(), dataset)]
-        entries.append((root / image, texts, None if mask is None else root / mask))
+        entries.append(Entry(root / image, texts, None if mask is None else root / mask,
+                             tuple(root / c for c in controls)))
     return entries
+
+
+def manifest_control_count(path: Path) -> int:
+    """The most control images a line of this manifest names (lines that do not parse count 0)."""
+    most = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            most = max(most, len(_manifest_controls(json.loads(line))))
+        except (json.JSONDecodeError, TypeError, AttributeError):
+            continue
+    return most
+
+
+def _manifest_controls(record: dict) -> list[str]:
+    """A manifest line's control images: "control" (a path or a list of paths), or musubi-tuner's
+    "control_path_0".."control_path_N" in index order. TypeError when they are not paths."""
+    control = record.get("control")
+    numbered = sorted((int(m.group(1)), value) for key, value in record.items() if (m := _MUSUBI_CONTROL.match(key)))
+    if control is not None and numbered:
+        raise TypeError("both control and control_path_N")
+    controls = [value for _, value in numbered] if numbered else [control] if isinstance(control, str) else control or []
+    if not isinstance(controls, list) or not all(isinstance(c, str) for c in controls):
+        raise TypeError("controls are not paths")
+    return controls
 
 
 def discover(data: DataConfig) -> Discovery:
@@ -221,9 +280,14 @@ def discover(data: DataConfig) -> Discovery:
         dropout = data.caption_dropout if dataset.caption_dropout is None else dataset.caption_dropout
         if dataset.share is not None:
             discovery.shares[index] = dataset.share
-        for image, texts, mask_file in entries:
+        items_before = len(discovery.items)
+        for entry in entries:
+            image, texts, mask_file = entry.image, entry.texts, entry.mask
             if not image.is_file():
                 discovery.verdicts.append(Verdict(image, "missing file"))
+                continue
+            if entry.missing:
+                discovery.verdicts.append(Verdict(image, entry.missing))
                 continue
             if texts is None:
                 if data.missing_caption == "skip":
@@ -241,10 +305,47 @@ def discover(data: DataConfig) -> Discovery:
             if problem:
                 discovery.verdicts.append(Verdict(image, problem))
                 continue
+            sizes, problem = _control_sizes(entry.controls, data)
+            if problem:
+                discovery.verdicts.append(Verdict(image, problem))
+                continue
             variants = caption_variants(texts, dataset)
             discovery.items.append(Item(image, variants[0], info.width, info.height, index, dataset.repeats,
-                                        variants, dropout, dataset.loss_weight, mask))
+                                        variants, dropout, dataset.loss_weight, mask, entry.controls, sizes))
+        _same_control_count(discovery, items_before, index)
     return discovery
+
+
+def _control_sizes(controls: tuple[Path, ...], data: DataConfig) -> tuple[tuple[tuple[int, int], ...], str]:
+    """Each control's upright size, or why one cannot be used (missing, unreadable, too small)."""
+    sizes = []
+    for control in controls:
+        if not control.is_file():
+            return (), f"control {control} is missing"
+        try:
+            found = probe(control, data.min_image_size, data.max_image_pixels)
+        except ImageRejected as err:
+            return (), f"control {control}: {err.reason}"
+        sizes.append((found.width, found.height))
+    return tuple(sizes), ""
+
+
+def _same_control_count(discovery: Discovery, start: int, index: int) -> None:
+    """Reject the images of dataset `index` (its items from `start` on) whose control count differs
+    from the count most of them have: every sample of a dataset takes as many references."""
+    items = discovery.items[start:]
+    counts = Counter(len(item.controls) for item in items)
+    if len(counts) < 2:
+        return
+    usual = counts.most_common(1)[0][0]
+    kept = []
+    for item in items:
+        if len(item.controls) == usual:
+            kept.append(item)
+        else:
+            discovery.verdicts.append(Verdict(item.image, f"{len(item.controls)} control images where the other "
+                                              f"images of data.datasets[{index}] have {usual}"))
+    discovery.items[start:] = kept
 
 
 def _mask_problem(mask: Path, image: Path, info: ImageInfo, data: DataConfig) -> str | None:

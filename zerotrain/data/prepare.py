@@ -58,10 +58,19 @@ def bucket_sampler(prepared: Prepared, global_batch: int, micro_batch: int, topo
                    seed: int) -> BucketBatchSampler:
     try:
         samples = [prepared.planned[i] for i in prepared.samples]
-        return BucketBatchSampler([p.bucket_id for p in samples], global_batch, micro_batch, topo.world_size,
+        return BucketBatchSampler(batch_groups(samples), global_batch, micro_batch, topo.world_size,
                                   topo.rank, seed, [(len(p.text_keys), p.item.caption_dropout) for p in samples])
     except ValueError as err:
         raise ZerotrainError(f"training.global_batch_size={global_batch}: {err}") from err
+
+
+def batch_groups(samples: list[Planned]) -> list[int]:
+    """The sampler's group id of each sample: its bucket id, and for edit samples also its references'
+    sizes (Planned.group), so that every tensor of a batch stacks. Samples without references keep
+    their bucket id, and so the sampler's fingerprint of a text-to-image run."""
+    sizes = sorted({p.group[1] for p in samples if p.reference_crops})
+    span = max(p.bucket_id for p in samples) + 1 if samples else 1
+    return [p.bucket_id + span * (1 + sizes.index(p.group[1])) if p.reference_crops else p.bucket_id for p in samples]
 
 
 def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch.device = "cpu") -> Prepared:

@@ -150,6 +150,30 @@ class BaseFamily:
     def target_layout(self, latents: torch.Tensor) -> torch.Tensor:
         return latents
 
+    # --- references (edit training) ----------------------------------------------------------------
+
+    def max_references(self, spec: ModelSpec) -> int:
+        return 0
+
+    def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
+                       area: int | None) -> tuple[int, int]:
+        raise self._no_references(spec)
+
+    def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[torch.Tensor]) -> dict[str, Any]:
+        raise self._no_references(spec)
+
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+        raise self._no_references(spec)
+
+    def _too_many(self, spec: ModelSpec, count: int) -> ZerotrainError:
+        return ZerotrainError(f"model.name_or_path='{spec.name}': {count} reference images, but "
+                              f"{self.pipeline_name(spec)} takes at most {self.max_references(spec)}; "
+                              "give each target fewer controls")
+
+    def _no_references(self, spec: ModelSpec) -> ZerotrainError:
+        return ZerotrainError(f"model.name_or_path='{spec.name}': {self.title} ({self.pipeline_name(spec)}) takes no "
+                              "reference images; train an edit model, or remove the controls")
+
     # --- validation images -------------------------------------------------------------------------
 
     def classifier_free(self, guidance_scale: float) -> bool:
@@ -187,6 +211,16 @@ class BaseFamily:
         names are their diffusers paths under a prefix say which."""
         raise ZerotrainError(f"{self.title}: a LoKr or LoHa has no ComfyUI export yet (a LoRA has); "
                              "export without --comfyui")
+
+
+def area_size(control: tuple[int, int], area: int, multiple: int) -> tuple[int, int]:
+    """(width, height) of a control image scaled to about area x area pixels at its own aspect, each side
+    floored to a multiple of `multiple` (as Flux2Pipeline and QwenImageEditPlusPipeline size their
+    references); at least one multiple a side."""
+    width, height = control
+    scale = math.sqrt(area * area / (width * height))
+    return (max(multiple, int(width * scale) // multiple * multiple),
+            max(multiple, int(height * scale) // multiple * multiple))
 
 
 def share_blocks(depths: dict[str, int], blocks: int) -> dict[str, int]:

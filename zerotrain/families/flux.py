@@ -12,6 +12,7 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
+    area_size,
     check_tokens,
     example_timestep,
     kohya_lora,
@@ -74,6 +75,8 @@ _TOP = {
     "norm_out.linear": "final_layer.adaLN_modulation.1",  # (shift, scale) rows swapped to (scale, shift)
 }
 _SWAPPED = {"final_layer.adaLN_modulation.1"}
+# FLUX.1 Kontext: FluxTransformer2DModel rendered by this pipeline, which appends one image's latents.
+KONTEXT_PIPELINE = "FluxKontextPipeline"
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 
 
@@ -185,6 +188,49 @@ class Flux(BaseFamily):
         if config.get("guidance_embeds", False):
             inputs["guidance"] = t
         return inputs
+
+    # --- references: FLUX.1 Kontext --------------------------------------------------------------
+
+    def pipeline_name(self, spec: ModelSpec) -> str:
+        """FluxKontextPipeline for a Kontext model (its model_index.json or catalog entry says so: its
+        transformer's config is FLUX.1 [dev]'s), the family's pipeline otherwise."""
+        return KONTEXT_PIPELINE if spec.pipeline_class == KONTEXT_PIPELINE else self.pipeline
+
+    def max_references(self, spec: ModelSpec) -> int:
+        """FluxKontextPipeline takes one image."""
+        return 1 if self.pipeline_name(spec) == KONTEXT_PIPELINE else 0
+
+    def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
+                       area: int | None) -> tuple[int, int]:
+        """The target's size, as Kontext edits are trained and rendered (the pipeline's output takes its
+        input image's size); with `area`, the control's own aspect at that area."""
+        if not self.max_references(spec):
+            raise self._no_references(spec)
+        return target if area is None else area_size(control, area, self.pixel_factor(spec))
+
+    def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[Any]) -> dict[str, Any]:
+        """FluxKontextPipeline's: the image latents packed (_pack_latents) after the noisy tokens, their
+        ids the target grid's ids (_prepare_latent_image_ids) with channel 0 set to 1; one timestep."""
+        import torch
+
+        if len(references) > self.max_references(spec):
+            raise self._too_many(spec, len(references))
+        hidden, ids = [kwargs["hidden_states"]], [kwargs["img_ids"]]
+        for latents in references:
+            _, _, h, w = latents.shape
+            hidden.append(pack_latents(latents).to(kwargs["hidden_states"].dtype))
+            image_ids = latent_image_ids(h, w, latents.device).clone()
+            image_ids[..., 0] = 1
+            ids.append(image_ids)
+        return {**kwargs, "hidden_states": torch.cat(hidden, dim=1), "img_ids": torch.cat(ids, dim=0)}
+
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+        """The image as given: no snapping to Kontext's preferred resolutions (_auto_resize), since
+        training encoded it at reference_size; max_area the size's, since FluxKontextPipeline scales
+        its output to max_area (1024 x 1024 by default) whatever height and width say."""
+        if not self.max_references(spec):
+            raise self._no_references(spec)
+        return {"image": images[0], "_auto_resize": False, "max_area": size[0] * size[1]}
 
     def comfyui_adapter_name(self, module: str) -> str:
         """"transformer." + the diffusers module path: ComfyUI maps Flux's diffusers names onto its own

@@ -30,6 +30,7 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
+    area_size,
     check_tokens,
     example_timestep,
     meta_or_random,
@@ -54,6 +55,10 @@ VAE_PATCH = 2
 # The number of denoising steps Flux2Pipeline and Flux2KleinPipeline sample with by default: their mu
 # (compute_empirical_mu) depends on it, so training shifts as a default-settings render samples.
 PIPELINE_STEPS = 50
+# Flux2Pipeline scales a reference above this area (1024 x 1024 pixels) down to it, at its own aspect.
+REFERENCE_AREA = 1024
+# Black Forest Labs' FLUX.2 model card: up to 10 reference images (the pipelines set no limit).
+MAX_REFERENCES = 10
 # Flux2Transformer2DModel.__init__'s defaults (which are FLUX.2 [dev]'s config), for configs that omit them.
 DENOISER_DEFAULTS = {"in_channels": 128, "joint_attention_dim": 15360, "num_single_layers": 48, "guidance_embeds": True}
 # AutoencoderKLFlux2.__init__'s defaults (FLUX.2's published VAE), for a vae/config.json that omits them.
@@ -313,6 +318,42 @@ class Flux2(BaseFamily):
         if objective.spec.config.get("guidance_embeds", DENOISER_DEFAULTS["guidance_embeds"]):
             kwargs["guidance"] = torch.full((b,), objective.config.guidance, device=x_t.device)
         return kwargs, self.target_layout(target)
+
+    # --- references ------------------------------------------------------------------------------
+
+    def max_references(self, spec: ModelSpec) -> int:
+        return MAX_REFERENCES
+
+    def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
+                       area: int | None) -> tuple[int, int]:
+        """As Flux2Pipeline and Flux2KleinPipeline size each image: its own size, scaled down to 1024 x
+        1024 pixels of area at its aspect when above that, each side floored to the VAE's 16 pixels;
+        with `area`, scaled to that area instead."""
+        multiple = self.pixel_factor(spec)
+        width, height = control
+        if area is None and width * height <= REFERENCE_AREA * REFERENCE_AREA:
+            return max(multiple, width // multiple * multiple), max(multiple, height // multiple * multiple)
+        return area_size(control, area or REFERENCE_AREA, multiple)
+
+    def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[Any]) -> dict[str, Any]:
+        """Flux2Pipeline's: each reference's latents packed (_pack_latents) after the noisy tokens, in
+        order; their ids from _prepare_image_ids (T = 10, 20, ... per reference); one timestep."""
+        import torch
+        from diffusers import Flux2Pipeline
+
+        if len(references) > self.max_references(spec):
+            raise self._too_many(spec, len(references))
+        hidden = kwargs["hidden_states"]
+        b = hidden.shape[0]
+        packed = [Flux2Pipeline._pack_latents(latents).to(hidden.dtype) for latents in references]
+        # _prepare_image_ids reads only the shapes (its coordinates are built on the host).
+        ids = Flux2Pipeline._prepare_image_ids([torch.empty(1, *r.shape[1:], device="meta") for r in references])
+        ids = ids.repeat(b, 1, 1).to(kwargs["img_ids"].device)
+        return {**kwargs, "hidden_states": torch.cat([hidden, *packed], dim=1).contiguous(),
+                "img_ids": torch.cat([kwargs["img_ids"], ids], dim=1)}
+
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+        return {"image": list(images)}
 
     def comfyui_adapter_name(self, module: str) -> str:
         """"transformer." + the diffusers module path: ComfyUI's Flux2 model subclasses its Flux, whose

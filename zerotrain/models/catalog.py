@@ -100,6 +100,7 @@ def _from_catalog(name: str) -> ModelSpec:
         source="catalog",
         pretrained=entry["hub_id"],
         subfolder=entry["subfolder"],
+        pipeline_class=entry.get("pipeline"),
     )
 
 
@@ -119,8 +120,9 @@ def _from_config_file(name: str, path: Path) -> ModelSpec:
 def _from_folder(name: str, folder: Path, subfolder: str | None) -> ModelSpec:
     """A diffusers pipeline folder (model_index.json), or a folder that holds a denoiser config.json."""
     index_path = folder / "model_index.json"
-    if subfolder is None and index_path.is_file():
-        subfolder = _denoiser_component(_read_json(index_path), index_path)
+    index = _read_json(index_path) if index_path.is_file() else {}
+    if subfolder is None and index:
+        subfolder = _denoiser_component(index, index_path)
     if subfolder is not None:
         denoiser_path = folder / subfolder / "config.json"
         if not denoiser_path.is_file():
@@ -146,15 +148,16 @@ def _from_folder(name: str, folder: Path, subfolder: str | None) -> ModelSpec:
         source=f"folder {folder}",
         pretrained=str(pretrained),
         subfolder=sub,
+        pipeline_class=index.get("_class_name"),
     )
 
 
 def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> ModelSpec:
     """Fetch only the small JSON files (model_index, denoiser and VAE configs), never weights."""
-    if subfolder is None:
-        index_path = _hub_file(repo_id, "model_index.json", revision)
-        if index_path is not None:
-            subfolder = _denoiser_component(_read_json(index_path), f"{repo_id}/model_index.json")
+    index_path = _hub_file(repo_id, "model_index.json", revision)
+    index = _read_json(index_path) if index_path is not None else {}
+    if subfolder is None and index:
+        subfolder = _denoiser_component(index, f"{repo_id}/model_index.json")
     denoiser_file = f"{subfolder}/config.json" if subfolder else "config.json"
     denoiser_path = _hub_file(repo_id, denoiser_file, revision)
     if denoiser_path is None:
@@ -170,6 +173,7 @@ def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> Mode
         source=f"hub {repo_id}" + (f"@{revision}" if revision else ""),
         pretrained=repo_id,
         subfolder=subfolder,
+        pipeline_class=index.get("_class_name"),
     )
 
 
@@ -249,6 +253,7 @@ def _spec(
     source: str,
     pretrained: str | None,
     subfolder: str | None,
+    pipeline_class: str | None = None,
 ) -> ModelSpec:
     config = _read_json(denoiser_path)
     class_name = config.get("_class_name")
@@ -285,6 +290,7 @@ def _spec(
         source=source,
         pretrained=pretrained,
         subfolder=subfolder,
+        pipeline_class=pipeline_class if isinstance(pipeline_class, str) else None,
     )
 
 

@@ -34,6 +34,8 @@ def build_tiny_pipeline(name: str, folder: Path) -> Path:
     family = families.by_class(entry["denoiser"]["_class_name"])
     with torch.random.fork_rng(devices=[]):
         pipeline_class, components = family.tiny_components(entry["denoiser"])
+        if entry.get("pipeline"):  # an edit pipeline around the family's components (FluxKontextPipeline)
+            pipeline_class = diffusers_class(entry["pipeline"])
         vae_config = entry["vae_config"]
         components["vae"] = seeded("vae", diffusers_class(vae_config["_class_name"]).from_config, vae_config)
     pipeline = pipeline_class(**components)

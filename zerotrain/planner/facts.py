@@ -83,6 +83,8 @@ class ModelFacts:
     (zerotrain.recompute.offloaded), once however many blocks it feeds, in bytes per sample."""
     offload_largest_call: int = 0
     """The most of those bytes one block takes (brought back to the GPU for its recomputation)."""
+    reference_tokens: int = 0
+    """Edit training: the reference images' tokens appended after the image tokens in the trace."""
     trace_seconds: float = 0.0
     cached: bool = field(default=False, compare=False)
 
@@ -138,6 +140,8 @@ class ModelFacts:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("cached")
+        if not data["reference_tokens"]:  # text-to-image facts keep the form they were shipped in
+            data.pop("reference_tokens")
         return data
 
     @classmethod

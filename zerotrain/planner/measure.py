@@ -19,6 +19,7 @@ from zerotrain import families
 from zerotrain.adapters import measured, targets
 from zerotrain.config.sections import Mode, RunConfig
 from zerotrain.planner.facts import ModelFacts, unpack_facts
+from zerotrain.planner.references import plan_references
 
 if TYPE_CHECKING:
     from zerotrain.protocols import ModelSpec
@@ -34,6 +35,7 @@ def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str,
     """Everything the measurement depends on: the architecture (not its name or location),
     resolution, conditioning length, mode, quantization and LoRA settings."""
     lora = run.training.mode is Mode.lora
+    references = plan_references(spec, run)
     return {
         "version": FACTS_VERSION, "class": spec.class_name, "config": spec.config,
         "vae_scale_factor": spec.vae_scale_factor,
@@ -41,6 +43,8 @@ def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str,
         "quantize": run.training.quantize_base.value,
         "lora": measured(run.training.lora) if lora else None,
         "targets": targets(spec, run) if lora else None,
+        # only where there are references, so that the keys of text-to-image runs stay as they were
+        **({"references": references} if references else {}),
     }
 
 

@@ -452,7 +452,8 @@ def reasons(p: Plan, facts: ModelFacts, run: RunConfig) -> list[str]:
     frozen = f"; frozen weights {gib(facts.frozen_bytes)}" if facts.frozen_params else ""
     lines = [
         f"{facts.model} {what}: {count(facts.trainable_params)} trainable of {count(facts.total_params)} parameters{frozen}",
-        (f"Activations per image at {facts.resolution}px ({facts.image_tokens} image + {facts.text_tokens} text "
+        (f"Activations per image at {facts.resolution}px ({facts.image_tokens} image + "
+        f"{f'{facts.reference_tokens} reference + ' if facts.reference_tokens else ''}{facts.text_tokens} text "
         f"tokens), traced with flash-attention accounting: peak {gib(facts.no_checkpointing.peak_bytes)} "
         f"without checkpointing, {gib(facts.checkpointing.peak_bytes)} with"),
         (f"Budget per GPU {gib(p.gpu_budget_bytes)} ({run.planner.headroom:.0%} headroom); includes CUDA context "

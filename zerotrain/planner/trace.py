@@ -32,6 +32,7 @@ from zerotrain.adapters import apply_lora, is_adapter
 from zerotrain.config.sections import Mode, Quantization, RunConfig
 from zerotrain.models.meta import build_meta_model
 from zerotrain.planner.facts import ActivationFacts, CheckpointUnit, ModelFacts
+from zerotrain.planner.references import plan_references
 from zerotrain.protocols import ModelSpec
 
 BF16 = 2  # bytes per bf16 element
@@ -450,6 +451,14 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
     resolution = run.data.resolution
     family = families.of(spec)
     inputs = family.example_inputs(spec, 1, resolution, resolution, text_tokens, "meta", torch.bfloat16)
+    references = plan_references(spec, run)
+    if references:  # edit training: the references' clean tokens, appended as the family's pipeline does
+        factor = spec.vae_scale_factor
+        inputs = family.add_references(spec, inputs, [
+            torch.empty(1, spec.latent_channels, height // factor, width // factor, device="meta")
+            for width, height in references])
+    reference_tokens = sum(family.latent_tokens(spec, h // spec.vae_scale_factor, w // spec.vae_scale_factor)
+                           for w, h in references)
     input_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
     quantize = run.training.quantize_base
     saved_inputs_of = (torch.nn.Linear, torch.nn.Conv2d) if quantize is not Quantization.none else ()
@@ -469,6 +478,7 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
         largest_trainable_param=max((p.numel() for p in params if p.requires_grad), default=0),
         image_tokens=family.image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
         no_checkpointing=no_gc, checkpointing=gc, checkpoint_units=units, offload_input_bytes=moved,
-        offload_largest_call=largest_call, trace_seconds=round(time.perf_counter() - start, 3),
+        offload_largest_call=largest_call, reference_tokens=reference_tokens,
+        trace_seconds=round(time.perf_counter() - start, 3),
     )
     return facts
