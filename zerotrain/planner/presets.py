@@ -55,6 +55,13 @@ PRESETS: dict[str, list[str]] = {
     "z-image-full-1xA100-80GB.json": [
         "--model", "z-image", "--resolution", "1024", "--gpus", "1xA100-80GB",
         "--mode", "full", "--global-batch", "8"],
+    # Edit training (issue 23): each reference adds its image's tokens to every step.
+    "flux-kontext-dev-lora-1ref-1xRTX4090-24GB.json": [
+        "--model", "flux-kontext-dev", "--resolution", "1024", "--references", "1", "--gpus", "1xRTX4090-24GB",
+        "--mode", "lora", "--global-batch", "4"],
+    "flux2-dev-lora-2ref-1xH100-80GB.json": [
+        "--model", "flux2-dev", "--resolution", "1024", "--references", "2", "--gpus", "1xH100-80GB",
+        "--mode", "lora", "--global-batch", "4"],
     "chroma-lora-1xRTX4090-24GB.json": [
         "--model", "chroma", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
         "--global-batch", "4"],
