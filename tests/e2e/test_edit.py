@@ -249,3 +249,13 @@ def test_bad_control_input_gets_one_line(models, tmp_path):
     kontext = run_for("tiny-flux-kontext", targets, controls, tmp_path)
     with pytest.raises(ZerotrainError, match=r"2 control images per target, but FluxKontextPipeline takes at most 1"):
         prepare(kontext, resolve_model(kontext.model), SINGLE)
+
+
+def test_the_planner_refuses_references_a_model_cannot_take(capsys, tmp_path):
+    from zerotrain.cli import main
+
+    facts = f"planner.cache_dir={tmp_path}"
+    assert main(["plan", "--model", "flux-dev", "--references", "1", "--gpus", "1xH100-80GB", "--set", facts]) == 2
+    assert "data.references: 1 reference images, but flux-dev (FluxPipeline) takes none" in capsys.readouterr().err
+    assert main(["plan", "--model", "flux-kontext-dev", "--references", "2", "--gpus", "1xH100-80GB", "--set", facts]) == 2
+    assert "data.references: 2 reference images, but FluxKontextPipeline takes at most 1" in capsys.readouterr().err

@@ -154,8 +154,7 @@ def _from_folder(name: str, folder: Path, subfolder: str | None) -> ModelSpec:
 
 def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> ModelSpec:
     """Fetch only the small JSON files (model_index, denoiser and VAE configs), never weights."""
-    index_path = _hub_file(repo_id, "model_index.json", revision)
-    index = _read_json(index_path) if index_path is not None else {}
+    index = _hub_index(repo_id, revision, required=subfolder is None)
     if subfolder is None and index:
         subfolder = _denoiser_component(index, f"{repo_id}/model_index.json")
     denoiser_file = f"{subfolder}/config.json" if subfolder else "config.json"
@@ -175,6 +174,18 @@ def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> Mode
         subfolder=subfolder,
         pipeline_class=index.get("_class_name"),
     )
+
+
+def _hub_index(repo_id: str, revision: str | None, required: bool) -> dict[str, Any]:
+    """The hub repo's model_index.json ({} where it has none). With model.subfolder given the index only
+    names the pipeline (an edit model's), so a hub that cannot be reached is no error then."""
+    try:
+        path = _hub_file(repo_id, "model_index.json", revision)
+    except ZerotrainError:
+        if required:
+            raise
+        return {}
+    return _read_json(path) if path is not None else {}
 
 
 def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path | None:
