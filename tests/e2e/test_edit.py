@@ -18,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from zerotrain import families
 from zerotrain.config.loader import load_config
 from zerotrain.data.cache import CachedDataset
 from zerotrain.data.prepare import make_loader, prepare
@@ -259,3 +260,72 @@ def test_the_planner_refuses_references_a_model_cannot_take(capsys, tmp_path):
     assert "data.references: 1 reference images, but flux-dev (FluxPipeline) takes none" in capsys.readouterr().err
     assert main(["plan", "--model", "flux-kontext-dev", "--references", "2", "--gpus", "1xH100-80GB", "--set", facts]) == 2
     assert "data.references: 2 reference images, but FluxKontextPipeline takes at most 1" in capsys.readouterr().err
+
+
+def test_qwen_image_edit_2511_forward_with_two_references_is_the_plus_pipelines(tmp_path, monkeypatch):
+    """Qwen-Image-Edit-2511 (zero_cond_t) with two references: hidden states, img_shapes (target then each
+    reference, from which the transformer gives the references t = 0), timestep and text as
+    QwenImageEditPlusPipeline passes them. Its text encoder sees the references through Qwen2VLProcessor,
+    which needs torchvision (not installed), so both sides are given the same prompt embeddings and the
+    pipeline has no processor; the references are encoded by zerotrain's cache function. The pipelines
+    encode references at 1024 x 1024 pixels of area: here 64 x 64, set alike on both sides."""
+    import shutil
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    from zerotrain.config.sections import ModelConfig, ObjectiveConfig
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    plain = build_tiny_pipeline("tiny-qwen-image", tmp_path / "plain")
+    folder = tmp_path / "edit-2511"
+    shutil.copytree(plain, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    (folder / "transformer" / "config.json").write_text(json.dumps({**config, "zero_cond_t": True}))
+    spec = resolve_model(ModelConfig(name_or_path=str(folder)))
+    assert spec.pipeline_class == "QwenImageEditPlusPipeline" and spec.config["zero_cond_t"]
+    sizes = [families.of(spec).reference_size(spec, (64, 64), size, None) for size in ((64, 96), (96, 64))]
+    assert sizes == [(64, 64), (64, 64)]  # 64 x 64 of area at 2:3, sides rounded to 32
+
+    controls = [picture(size, 7 + n) for n, size in enumerate(sizes)]
+    encoders = load_encoders(resolve_model(ModelConfig(name_or_path=str(plain))), plain)
+    references = [encode_latent_moments(encoders, torch.from_numpy(np.asarray(image, dtype=np.float32))
+                                        .permute(2, 0, 1)[None] / 127.5 - 1).mean for image in controls]
+    generator = torch.Generator().manual_seed(11)
+    text = torch.randn(1, 12, 32, generator=generator)
+    batch = {"latent_mean": torch.randn(1, 16, 8, 8, generator=generator), "latent_std": torch.zeros(1, 16, 8, 8),
+             "prompt_embeds": text, "prompt_embeds_mask": torch.ones(1, 12, dtype=torch.long),
+             "reference_0": references[0], "reference_1": references[1]}
+    scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    ours = make_objective(spec, scheduler, ObjectiveConfig(), 64).prepare(batch, torch.Generator().manual_seed(2))
+    kwargs = ours.model_kwargs
+    assert kwargs["img_shapes"] == [[(1, 4, 4), (1, 4, 4), (1, 4, 4)]]
+
+    pipeline = QwenImageEditPlusPipeline.from_pretrained(folder, processor=None)
+    pipeline.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        pipeline.scheduler.config, use_dynamic_shifting=False, shift=1.0, shift_terminal=None)
+    captured = {}
+    hook = pipeline.transformer.register_forward_pre_hook(lambda m, a, given: captured.update(given), with_kwargs=True)
+    pipeline(image=controls, prompt_embeds=text, prompt_embeds_mask=torch.ones(1, 12, dtype=torch.long),
+             height=64, width=64, num_inference_steps=1, sigmas=[float(kwargs["timestep"][0])],
+             latents=kwargs["hidden_states"][:, :16], true_cfg_scale=1.0, output_type="latent")
+    hook.remove()
+    assert set(captured) - {"attention_kwargs", "return_dict", "guidance"} == set(kwargs)
+    torch.testing.assert_close(kwargs["hidden_states"], captured["hidden_states"], rtol=1e-4, atol=1e-5)
+    assert captured["img_shapes"] == kwargs["img_shapes"] and captured["guidance"] is None
+    torch.testing.assert_close(kwargs["timestep"], captured["timestep"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(kwargs["encoder_hidden_states"], captured["encoder_hidden_states"], rtol=0, atol=0)
+    assert kwargs["encoder_hidden_states_mask"] is None and captured["encoder_hidden_states_mask"] is None
+
+
+def test_qwen_image_edit_is_planned_with_its_references_but_not_yet_trained():
+    from zerotrain.config.sections import ModelConfig
+    from zerotrain.models.catalog import check_trainable
+
+    for name, most in (("qwen-image-edit", 1), ("qwen-image-edit-2509", 3), ("qwen-image-edit-2511", 3)):
+        spec = resolve_model(ModelConfig(name_or_path=name))
+        assert families.of(spec).max_references(spec) == most
+        with pytest.raises(ZerotrainError, match="Qwen2VLProcessor, which transformers builds only with torchvision"):
+            check_trainable(spec)

@@ -39,6 +39,10 @@ PARAMETERS = {
     "tiny-sd3": 88_320,
     "tiny-sdxl": 1_012_324,
     "qwen-image": 20_430_401_088,
+    # The Qwen-Image-Edit models are Qwen-Image's architecture (Edit-2511 adds zero_cond_t, no parameters).
+    "qwen-image-edit": 20_430_401_088,
+    "qwen-image-edit-2509": 20_430_401_088,
+    "qwen-image-edit-2511": 20_430_401_088,
     "tiny-qwen-image": 92_448,
     "flux2-dev": 32_223_281_152,
     "flux2-klein-4b": 3_875_544_576,
@@ -242,7 +246,8 @@ def test_unknown_name_lists_catalog_and_other_forms():
     message = one_line_error("flux-pro", "no catalog entry")
     assert all(name in message for name in catalog_names())
     assert "config.json" in message and "hub id" in message
-    assert "sd1.5 (plan only)" in message and message.count("(plan only)") == 1
+    # sd1.5 and the Qwen-Image-Edit models (their processor needs torchvision) are plan-only.
+    assert "sd1.5 (plan only)" in message and message.count("(plan only)") == 4
 
 
 def test_sd15_is_plan_only_and_cache_and_training_refuse_it_in_one_line(tmp_path, capsys):
@@ -254,7 +259,8 @@ def test_sd15_is_plan_only_and_cache_and_training_refuse_it_in_one_line(tmp_path
     from zerotrain.distributed import Topology
     from zerotrain.models.catalog import catalog_listing, check_trainable
 
-    assert [n for n in catalog_names() if is_plan_only(resolve_model(ModelConfig(name_or_path=n)))] == ["sd1.5"]
+    assert [n for n in catalog_names() if is_plan_only(resolve_model(ModelConfig(name_or_path=n)))] == [
+        "qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511", "sd1.5"]
     assert "sd1.5 (plan only)" in catalog_listing() and "sdxl-base (plan only)" not in catalog_listing()
     expected = "model.name_or_path='sd1.5' is plan-only: zerotrain plans SD 1.x/2.x UNets but cannot cache or train them"
     spec = resolve_model(ModelConfig(name_or_path="sd1.5"))

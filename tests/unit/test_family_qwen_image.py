@@ -118,8 +118,11 @@ def test_published_config_is_the_class_defaults_and_its_vae_facts(tmp_path):
 def test_edit_variants_plan_but_do_not_train():
     spec = spec_of("qwen-image", zero_cond_t=True)
     assert is_plan_only(spec) and not is_plan_only(spec_of("qwen-image"))
-    with pytest.raises(ZerotrainError, match="plan-only: zerotrain plans image-conditioned Qwen-Image"):
+    with pytest.raises(ZerotrainError, match="plan-only: zerotrain plans Qwen-Image-Edit models"):
         check_trainable(spec)
+    layered = spec_of("qwen-image", use_additional_t_cond=True)
+    with pytest.raises(ZerotrainError, match="plan-only: zerotrain plans image-conditioned Qwen-Image"):
+        check_trainable(layered)
 
 
 # --- 2. planning -----------------------------------------------------------------------------------

@@ -80,6 +80,9 @@ _VAE_DEFAULTS = {"z_dim": 16, "temperal_downsample": [False, True, True]}
 # Qwen-Image-Layered's extra timestep condition and 3-D RoPE), whose conditioning the text-to-image
 # pipeline does not produce.
 _EDIT_FLAGS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+# The edit pipelines, and how many reference images each takes: QwenImageEditPipeline one; the Plus
+# pipeline (Edit-2509, Edit-2511) a list, 1 to 3 as Qwen's model card recommends.
+EDIT_PIPELINES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3}
 # The tiny text encoder's layers and heads: two layers, so the last hidden state differs from the embeddings.
 _TINY_TEXT_LAYERS = 2
 _TINY_TEXT_HEADS = 2
@@ -167,9 +170,57 @@ class QwenImage(BaseFamily):
         return QWEN_PATCH
 
     def plan_only(self, spec: ModelSpec) -> str | None:
+        if self.max_references(spec):
+            return ("Qwen-Image-Edit models (their text encoder reads the reference images through "
+                    "Qwen2VLProcessor, which transformers builds only with torchvision)")
         if any(spec.config.get(flag) for flag in _EDIT_FLAGS):
-            return "image-conditioned Qwen-Image transformers (Edit-2511, Layered)"
+            return "image-conditioned Qwen-Image transformers (Layered)"
         return None
+
+    def pipeline_name(self, spec: ModelSpec) -> str:
+        """The edit pipeline a model was published with (its model_index.json or catalog entry); a bare
+        config with zero_cond_t (Edit-2511's) is the Plus pipeline's; QwenImagePipeline otherwise."""
+        if spec.pipeline_class in EDIT_PIPELINES:
+            return spec.pipeline_class
+        return "QwenImageEditPlusPipeline" if spec.config.get("zero_cond_t") else self.pipeline
+
+    # --- references: Qwen-Image-Edit -------------------------------------------------------------
+
+    def max_references(self, spec: ModelSpec) -> int:
+        return EDIT_PIPELINES.get(self.pipeline_name(spec), 0)
+
+    def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
+                       area: int | None) -> tuple[int, int]:
+        """As the edit pipelines size the image their VAE encodes: the control's aspect at 1024 x 1024
+        pixels of area (or area x area), each side rounded to 32 (their calculate_dimensions)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+            VAE_IMAGE_SIZE,
+            calculate_dimensions,
+        )
+
+        if not self.max_references(spec):
+            raise self._no_references(spec)
+        width, height = calculate_dimensions(area * area if area else VAE_IMAGE_SIZE, control[0] / control[1])
+        return int(width), int(height)
+
+    def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[Any]) -> dict[str, Any]:
+        """The edit pipelines': each reference's latents packed (_pack_latents) after the noisy tokens,
+        and img_shapes listing the target's grid then each reference's; one timestep, which Edit-2511's
+        transformer (zero_cond_t) itself doubles, giving the reference tokens t = 0 (modulate_index)."""
+        import torch
+
+        if len(references) > self.max_references(spec):
+            raise self._too_many(spec, len(references))
+        hidden = kwargs["hidden_states"]
+        packed = [pack_latents(latents).to(hidden.dtype) for latents in references]
+        shapes = [[*sample, *[(1, r.shape[2] // QWEN_PATCH, r.shape[3] // QWEN_PATCH) for r in references]]
+                  for sample in kwargs["img_shapes"]]
+        return {**kwargs, "hidden_states": torch.cat([hidden, *packed], dim=1), "img_shapes": shapes}
+
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+        if not self.max_references(spec):
+            raise self._no_references(spec)
+        return {"image": list(images) if self.pipeline_name(spec) == "QwenImageEditPlusPipeline" else images[0]}
 
     def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
         """prompt_embeds (B, text_tokens, d): Qwen2.5-VL's last hidden states of each templated caption
