@@ -184,6 +184,21 @@ def test_the_loss_scores_only_the_target_tokens(models, tmp_path):
     pred[:, :tokens] += 1.0
     assert objective.loss(pred, prepared) > base
 
+    # A loss mask is laid out as the target alone: masked-out target tokens are not scored either.
+    mask = torch.ones(batch["latent_mean"].shape[0], *batch["latent_mean"].shape[2:])
+    mask[:, :, : mask.shape[2] // 2] = 0.0  # the left half of the latent grid
+    masked = objective.prepare({**batch, "loss_mask": mask}, torch.Generator().manual_seed(0))
+    assert masked.mask.shape == masked.target.shape and masked.references == 1
+    pred = torch.zeros_like(masked.model_kwargs["hidden_states"])
+    base = objective.loss(pred, masked)
+    left = masked.mask[0, :, 0] == 0  # the packed tokens of the masked-out half
+    assert 0 < int(left.sum()) < tokens
+    pred[:, :tokens][:, left] = 100.0
+    pred[:, tokens:] = 100.0
+    assert torch.equal(objective.loss(pred, masked), base)
+    pred[:, :tokens][:, ~left] = 100.0
+    assert objective.loss(pred, masked) > base
+
 
 # ------------------------------------------------------------------------------- the cache
 
