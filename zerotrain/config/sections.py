@@ -270,8 +270,9 @@ class DataConfig(_Section):
     family pipeline's size when not given (Kontext: the target's size; FLUX.2: the control's own,
     at most 1024 x 1024 pixels)."""
     references: int | None = Field(None, ge=0, le=16)
-    """Edit training: reference images per sample, for `zerotrain plan` before any data is read (the
-    datasets' controls when not given; --references on the command line)."""
+    """Edit training: reference images per sample, for `zerotrain plan` before any data is read
+    (--references on the command line). The planner plans for the datasets' controls where they are
+    more."""
     mask: Literal["file", "alpha", "none"] = "file"
     """Masked loss. file: an image with a mask beside it (photo.mask.png for photo.jpg, or a manifest
     line's "mask") weights its loss per latent pixel by the mask's gray level (white 1, black 0);

@@ -1,6 +1,10 @@
 """checkpoint.replay_cpu_adam_steps: a CPU Adam rebuilt at a resume, with the saved state and the
 replay, continues bit for bit like the optimizer that never stopped, at every step. (DeepSpeed's
-CPU kernels keep beta^t as a running product but recompute it with pow() after a jump.)"""
+CPU kernels keep beta^t as a running product but recompute it with pow() after a jump.)
+
+A single process, but here with the distributed tests: it needs DeepSpeed's CPU Adam op, which the
+session builds in the background (tests/conftest.py) while the unit and e2e tests run; first among
+the unit tests, it made them all wait for that build (about 2.5 minutes on CI's 2 cores)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+pytestmark = pytest.mark.distributed
 
 STEPS = 7
 
