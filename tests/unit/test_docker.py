@@ -43,10 +43,22 @@ def global_args() -> dict[str, str]:
     return args
 
 
+def resolve(value: str) -> str:
+    """`value` with the global ARGs' defaults put in, also where a default names another ARG
+    (BUILDER_IMAGE's default names CUDA_VERSION), as docker build does."""
+    pins = global_args()
+    for _ in range(len(pins)):
+        expanded = re.sub(r"\$\{([A-Z_]+)\}", lambda m: pins.get(m.group(1), m.group(0)), value)
+        if expanded == value:
+            break
+        value = expanded
+    return value
+
+
 def stages() -> list[dict]:
     """Each stage: its name, base image (ARGs resolved) and instructions."""
     parser = dockerfile_parse.DockerfileParser(str(DOCKERFILE))
-    bases = iter(parser.parent_images)
+    bases = iter(resolve(image) for image in parser.parent_images)
     result: list[dict] = []
     for item in instructions():
         if item["instruction"] == "FROM":
@@ -143,7 +155,7 @@ def test_every_pip_install_names_pins_from_the_args():
                     continue
                 if word.startswith(("./", "/", ".")):
                     continue
-                match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==\$\{([A-Z_]+)\}(\+\$\{TORCH_CUDA\})?", word)
+                match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==\$\{([A-Z_]+)\}(\$\{TORCH_LOCAL\})?", word)
                 assert match, f"'{word}' in `{step.strip()}` is not pinned as name==${{NAME_VERSION}}"
                 assert match.group(2) == version_arg(match.group(1)) and match.group(2) in pins, word
                 seen.add(match.group(1))
@@ -299,3 +311,23 @@ def test_quanto_loader_patch_applies_to_this_optimum_quanto(tmp_path):
     copy.write_text("def something_else(): pass\n")
     with pytest.raises(SystemExit, match="changed"):
         prebuild_ops.patch_quanto_loader(copy)
+
+
+# ---- the build and smoke scripts ----
+
+
+@pytest.mark.parametrize("script", ["build.sh", "smoke.sh", "entrypoint.sh"])
+def test_the_scripts_parse_and_are_executable(script):
+    path = DOCKER / script
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_build_sh_sets_only_the_dockerfile_s_args():
+    """Every --build-arg build.sh passes names an ARG of the Dockerfile (a misspelt one would be
+    ignored, and the image built from the default base)."""
+    declared = {item["value"].partition("=")[0].strip() for item in instructions() if item["instruction"] == "ARG"}
+    passed = set(re.findall(r'--build-arg "([A-Z_]+)=', (DOCKER / "build.sh").read_text()))
+    assert passed >= {"BUILDER_IMAGE", "RUNTIME_IMAGE", "TORCH_INDEX_URL", "TORCH_LOCAL", "CUDA_TOOLKIT_WHEELS",
+                      "PIP_CERT", "TORCH_CUDA_ARCH_LIST"}, passed
+    assert passed <= declared, passed - declared
