@@ -6,6 +6,7 @@ with the topology also given to the planner, so that it plans for nodes x GPUs:
     zerotrain launch --config run.yaml --launcher hostfile --hosts n1,n2 --gpus 8   # 2 nodes, over ssh (pdsh)
     zerotrain launch --config run.yaml --launcher torchrun --gpus 8 --run
     zerotrain launch --config run.yaml --launcher slurm --nodes 4 --gpus-per-node 8 --time 24:00:00 --write jobs/
+    zerotrain launch --config run.yaml --gpus 8 --image zerotrain:0.1.0 --run   # in the Docker image (docker/)
 
 It prints the script (or writes it with --write, or runs it with --run). The rules it enforces are
 the ones users trip over (FIELD_NOTES): the DeepSpeed launcher rewrites CUDA_VISIBLE_DEVICES, so
@@ -42,6 +43,14 @@ DEFAULT_PORT = 29500
 # grace period plus this margin.
 SLURM_SIGNAL_MARGIN_S = 60
 _SPEC_RE = re.compile(r"^\s*(\d+)\s*x\s*(\S.*?)\s*$", re.IGNORECASE)
+# The Docker image's (docker/Dockerfile) working folder, where the current folder is mounted, and its
+# cache volume (Hugging Face models, planner facts); tests/unit/test_launch.py checks them against it.
+IMAGE_WORKDIR = "/workspace"
+IMAGE_CACHE = "/cache"
+# The named volume `--image` mounts at IMAGE_CACHE, so that downloads outlive the container.
+IMAGE_CACHE_VOLUME = "zerotrain-cache"
+# `docker stop` waits this long past faults.grace_seconds before its SIGKILL.
+STOP_MARGIN_S = 60
 
 
 @dataclass
@@ -219,10 +228,12 @@ def sbatch_script(train_args: list[str], *, nodes: int, gpus_per_node: int, grac
                   signal_seconds: int | None = None, job_name: str = "zerotrain", time: str | None = None,
                   partition: str | None = None, account: str | None = None, cpus_per_task: int | None = None,
                   requeue: bool = False, output_dir: str | None = None, python: str = "python",
-                  plan_command: str | None = None) -> str:
+                  plan_command: str | None = None, image: tuple[str, str] | None = None) -> str:
     """A Slurm batch script: one task per GPU started by srun (zerotrain takes its rank from
     SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), MASTER_ADDR the first node, and SIGUSR1 to every
-    task `signal_seconds` before the time limit so that zerotrain checkpoints and exits in time."""
+    task `signal_seconds` before the time limit so that zerotrain checkpoints and exits in time. With
+    image (IMAGE, the folder to mount), srun runs zerotrain in that image through Pyxis/Enroot, the
+    folder at the image's working folder."""
     if nodes < 1 or gpus_per_node < 1:
         raise ZerotrainError(f"a Slurm job needs at least one node and one GPU per node (got {nodes} x {gpus_per_node})")
     signal_seconds = signal_seconds or int(grace_seconds) + SLURM_SIGNAL_MARGIN_S
@@ -231,6 +242,10 @@ def sbatch_script(train_args: list[str], *, nodes: int, gpus_per_node: int, grac
                              f"({grace_seconds:g} s) before the time limit, or the checkpoint cannot finish")
     if requeue and output_dir is None:
         raise ZerotrainError("--requeue needs the run's output_dir to tell a finished run from a stopped one")
+    srun = [python, "-u", *train_args]
+    if image is not None:  # Pyxis starts the command itself, not the image's entrypoint: `zerotrain train`
+        srun = [f"--container-image={image[0]}", f"--container-mounts={image[1]}:{IMAGE_WORKDIR}",
+                f"--container-workdir={IMAGE_WORKDIR}", "zerotrain", "train", *train_args[1:]]
     sbatch = [f"--job-name={job_name}", f"--nodes={nodes}", f"--ntasks-per-node={gpus_per_node}",
               f"--gpus-per-node={gpus_per_node}"]
     if cpus_per_task is not None:
@@ -265,7 +280,7 @@ def sbatch_script(train_args: list[str], *, nodes: int, gpus_per_node: int, grac
         lines += ["# srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05).",
                   'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
                   'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"']
-    lines += ["", "srun --kill-on-bad-exit=1 " + shlex.join([python, "-u", *train_args])]
+    lines += ["", "srun --kill-on-bad-exit=1 " + shlex.join(srun)]
     if requeue:
         done = shlex.quote(f"{output_dir}/export/export.json")
         lines += ["", "# Stopped by the time-limit signal before the last step (the export is written at the end):",
@@ -362,6 +377,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         f"{SLURM_SIGNAL_MARGIN_S})")
     s.add_argument("--requeue", action="store_true",
                    help="requeue the job after a time-limit stop (and on preemption) until the run is done")
+    p.add_argument("--image", metavar="IMAGE",
+                   help="run in zerotrain's Docker image (docker/): `docker run` with the current folder at "
+                        f"{IMAGE_WORKDIR} (deepspeed, torchrun), or srun --container-image (slurm, Pyxis)")
 
 
 def executable(name: str) -> str:
@@ -406,19 +424,82 @@ def make_recipe(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         raise ZerotrainError(f"--include is the DeepSpeed launcher's; with --launcher {args.launcher} use --gpus N")
     if args.run and args.launcher == "slurm":
         raise ZerotrainError("--run starts deepspeed or torchrun here; submit a Slurm script with sbatch (use --write)")
+    image = getattr(args, "image", None)
+    config = image_path(args.config, cwd, "--config") if image else args.config
     request = Request(args, load_config(args.config, args.overrides),
                       validate_hosts(args.hosts.split(",")) if args.hosts else None,
                       os.environ if environ is None else environ, nvml, train_script(cwd))
+    if image:  # the ranks read the config at its path in the container: relative to its working folder
+        request.args = argparse.Namespace(**{**vars(args), "config": config})
     if args.launcher == "slurm":
-        return slurm_recipe(request)
+        return slurm_recipe(request, (image, str((cwd or Path.cwd()).resolve())) if image else None)
     if args.launcher == "torchrun":
-        return torchrun_recipe(request)
-    if args.launcher == "hostfile" or args.hostfile is not None or request.hosts is not None:
+        recipe = torchrun_recipe(request)
+    elif args.launcher == "hostfile" or args.hostfile is not None or request.hosts is not None:
+        if image:
+            raise ZerotrainError("--image: the image runs no ssh server, so the DeepSpeed launcher cannot start the "
+                                 "other nodes' ranks in it; use --launcher torchrun (one container per node) or slurm")
         return hostfile_recipe(request)
-    return deepspeed_recipe(request)
+    else:
+        recipe = deepspeed_recipe(request)
+    return in_image(recipe, request, image, config, cwd) if image else recipe
 
 
-def slurm_recipe(request: Request) -> Recipe:
+def image_path(path: Path, cwd: Path | None, what: str) -> Path:
+    """`path` relative to the current folder, which --image mounts at the image's working folder; one
+    line when it lies outside (it would not be in the container)."""
+    folder = (cwd or Path.cwd()).resolve()
+    try:
+        return path.resolve().relative_to(folder)
+    except ValueError:
+        raise ZerotrainError(f"{what} {path}: --image mounts only the current folder ({folder}) at "
+                             f"{IMAGE_WORKDIR}; run from a folder that holds it") from None
+
+
+def docker_run(image: str, cwd: Path | None, grace_seconds: float, multi_node: bool) -> list[str]:
+    """`docker run` of the zerotrain image with the GPUs, the current folder at its working folder,
+    the cache volume, the caller's uid (files in the run folder are theirs), the host's IPC (NCCL and
+    the data loader's shared memory) and a stop timeout that lets zerotrain write its checkpoint."""
+    command = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host",
+               f"--stop-timeout={int(grace_seconds) + STOP_MARGIN_S}", f"--user={os.getuid()}:{os.getgid()}",
+               "-v", f"{(cwd or Path.cwd()).resolve()}:{IMAGE_WORKDIR}", "-v", f"{IMAGE_CACHE_VOLUME}:{IMAGE_CACHE}"]
+    if multi_node:  # NCCL and the rendezvous reach the other nodes; InfiniBand needs its devices too
+        command += ["--network=host", "--ulimit", "memlock=-1"]
+    return [*command, image]
+
+
+def in_image(recipe: Recipe, request: Request, image: str, config: Path, cwd: Path | None) -> Recipe:
+    """The deepspeed or torchrun recipe run in the image: `docker run IMAGE launch ... --run`, whose
+    entrypoint runs `zerotrain launch` in the container (which passes a `docker stop`'s SIGTERM straight
+    to the ranks); the topology this side resolved is passed on as flags."""
+    args = request.args
+    inner = ["launch", "--config", str(config), "--launcher", recipe.launcher]
+    if recipe.launcher == "deepspeed" and args.include:
+        inner += ["--include", args.include]
+    else:
+        inner += ["--gpus", str(recipe.gpus_per_node)]
+    if recipe.launcher == "torchrun" and recipe.nodes > 1:
+        inner += ["--nodes", str(recipe.nodes)]
+        if args.hosts:
+            inner += ["--hosts", args.hosts]
+        if args.master_addr:
+            inner += ["--master-addr", args.master_addr]
+    inner += ["--master-port", str(args.master_port)]
+    for override in args.overrides:
+        inner += ["--set", override]
+    command = [*docker_run(image, cwd, request.run.faults.grace_seconds, recipe.nodes > 1), *inner, "--run"]
+    where = "on each node (one container per node)" if recipe.nodes > 1 else "on this node"
+    description = [f"zerotrain in the image {image}, {where}: `zerotrain launch` in the container starts",
+                   f"{recipe.launcher} for {recipe.nodes} x {recipe.gpus_per_node} ranks. This folder is the container's",
+                   f"{IMAGE_WORKDIR}: the config's relative paths must stay inside it."]
+    if recipe.nodes > 1:
+        description.append("On InfiniBand, add --device /dev/infiniband to docker run.")
+    script = "\n".join(["#!/usr/bin/env bash", *(f"# {line}" for line in description), "set -euo pipefail",
+                        "exec " + shlex.join(command)]) + "\n"
+    return Recipe(recipe.launcher, recipe.nodes, recipe.gpus_per_node, command, {"launch.sh": script}, recipe.notes)
+
+
+def slurm_recipe(request: Request, image: tuple[str, str] | None = None) -> Recipe:
     args, run = request.args, request.run
     nodes = args.nodes or 1
     gpus = args.gpus or config_gpus_per_node(run.hardware.gpus)
@@ -430,7 +511,7 @@ def slurm_recipe(request: Request) -> Recipe:
                          signal_seconds=args.grace, job_name=args.job_name, time=args.time,
                          partition=args.partition, account=args.account, cpus_per_task=args.cpus_per_task,
                          requeue=args.requeue, output_dir=str(run.output_dir), python=sys.executable,
-                         plan_command=plan)
+                         plan_command=plan, image=image)
     return Recipe("slurm", nodes, gpus, None, {"zerotrain.sbatch": text})
 
 

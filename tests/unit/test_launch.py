@@ -273,3 +273,60 @@ def test_run_sends_sigterm_to_the_ranks_not_the_launcher(tmp_path, monkeypatch):
     who, omp, alloc = (tmp_path / "mark").read_text().split()
     assert who == "rank" and int(omp) >= 1 and alloc == "expandable_segments:True"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+# ---- in the Docker image (--image) ----
+
+
+def image_facts() -> dict:
+    """What docker/Dockerfile's runtime stage gives: its working folder, volume, user and PATH, and the
+    entrypoint's dispatch of zerotrain commands."""
+    parser = pytest.importorskip("dockerfile_parse").DockerfileParser(str(REPO / "docker" / "Dockerfile"))
+    items = [i for i in parser.structure if i["instruction"] != "COMMENT"]
+    runtime = items[max(i for i, item in enumerate(items) if item["instruction"] == "FROM"):]
+    value = {i["instruction"]: i["value"] for i in runtime}  # the last of each kind
+    dispatch = (REPO / "docker" / "entrypoint.sh").read_text().split("case", 1)[1]
+    return {"workdir": value["WORKDIR"], "volume": value["VOLUME"].strip('[]"'), "user": value["USER"],
+            "path": parser.envs["PATH"], "entrypoint": value["ENTRYPOINT"], "dispatch": dispatch}
+
+
+def test_image_recipes_refer_to_what_is_in_the_image():
+    facts = image_facts()
+    assert (launch.IMAGE_WORKDIR, launch.IMAGE_CACHE) == (facts["workdir"], facts["volume"])
+    assert "/opt/venv/bin" in facts["path"].split(":")  # zerotrain, deepspeed and torchrun are on PATH
+    assert facts["entrypoint"] == '["zerotrain-entrypoint"]' and "launch|" in facts["dispatch"]
+
+    # The DeepSpeed launcher: docker run, this folder at the working folder, `launch ... --run` inside
+    # (the entrypoint runs `zerotrain launch`, which hands a `docker stop`'s SIGTERM to the ranks).
+    command = recipe("--gpus", "2", "--image", "zerotrain:0.1.0", "--set", "training.max_steps=5").command
+    image = command.index("zerotrain:0.1.0")
+    assert command[:2] == ["docker", "run"] and "--gpus" in command[:image] and "--ipc=host" in command[:image]
+    assert f"{REPO}:{facts['workdir']}" in command[:image] and f"zerotrain-cache:{facts['volume']}" in command[:image]
+    assert f"--user={os.getuid()}:{os.getgid()}" in command[:image]
+    assert "--stop-timeout=180" in command[:image]  # faults.grace_seconds 120 + 60
+    inner = command[image + 1:]
+    assert inner[:3] == ["launch", "--config", "examples/tiny-cpu.yaml"] and inner[-1] == "--run"
+    assert inner[inner.index("--gpus") + 1] == "2" and sets(inner) == ["training.max_steps=5"]
+
+    # torchrun on two nodes: one container per node on the host network, the rendezvous passed on.
+    command = recipe("--launcher", "torchrun", "--hosts", "n1,n2", "--gpus", "8", "--image", "zt:1").command
+    assert "--network=host" in command and command[command.index("--nodes") + 1] == "2"
+    assert command[command.index("--hosts") + 1] == "n1,n2"
+
+    # Slurm: Pyxis starts `zerotrain train` itself (no entrypoint), this folder mounted at the workdir.
+    script = recipe("--launcher", "slurm", "--nodes", "2", "--gpus-per-node", "8", "--image", "zt:1").files[
+        "zerotrain.sbatch"]
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert f"--container-image=zt:1 --container-mounts={REPO}:{facts['workdir']}" in srun, srun
+    assert f"--container-workdir={facts['workdir']} zerotrain train --config examples/tiny-cpu.yaml" in srun, srun
+
+
+def test_image_refuses_what_the_image_cannot_do(tmp_path):
+    with pytest.raises(ZerotrainError, match="runs no ssh server"):
+        recipe("--launcher", "hostfile", "--hosts", "n1,n2", "--gpus", "8", "--image", "zt:1")
+    outside = tmp_path / "run.yaml"
+    outside.write_text(CONFIG.read_text())
+    args = parse("--gpus", "1", "--image", "zt:1")
+    args.config = outside
+    with pytest.raises(ZerotrainError, match="--image mounts only the current folder"):
+        launch.make_recipe(args, environ={}, nvml=a100_node(3), cwd=REPO)
