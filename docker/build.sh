@@ -74,7 +74,7 @@ if [ "$LOCAL" = 1 ]; then
         echo "base $BASE (debootstrap): $((SECONDS - start)) s"
     fi
     ARGS+=(--build-arg "BUILDER_IMAGE=$BASE" --build-arg "RUNTIME_IMAGE=$BASE" --build-arg "PYTHON_VERSION=3.13"
-           --build-arg "TORCH_INDEX_URL=https://pypi.org/simple" --build-arg "TORCH_LOCAL="
+           --build-arg "TORCH_INDEX_URL=https://pypi.org/simple" --build-arg "TORCH_LOCAL=" --build-arg "TORCH_CUDA=cu130"
            --build-arg "CUDA_TOOLKIT_WHEELS=13.0.3")
 fi
 
