@@ -94,8 +94,8 @@ start=$SECONDS
 build runtime "$TAG"
 runtime_s=$((SECONDS - start))
 if [ "$TOOL" = docker ]; then
-    size="$(docker image inspect --format '{{.Size}}' "$TAG")"
+    size="$(docker image inspect --format '{{.Size}}' "$TAG") bytes"
 else
     size="$(buildah images --noheading --format '{{.Size}}' "$TAG")"
 fi
-echo "built $TAG with $TOOL: builder stage $builder_s s, runtime stage $runtime_s s, image size $size bytes"
+echo "built $TAG with $TOOL: builder stage $builder_s s, runtime stage $runtime_s s, image size $size"
