@@ -421,8 +421,7 @@ def size(n: float | None) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Every rank: join the job (one process: a job of one), measure, and leave the group."""
-    import deepspeed
-
+    from zerotrain.deepspeed_compat import init_distributed
     from zerotrain.distributed import accelerator, shutdown, topology, use_device
     from zerotrain.quiet import quiet_libraries
     from zerotrain.train import allocator_settings, standalone_rendezvous
@@ -435,7 +434,7 @@ def main(args: argparse.Namespace) -> int:
     device = use_device(topo)
     before_group = outside_allocator(device)
     with quiet_libraries(args.debug or run.logging.verbose, topo.rank):
-        deepspeed.init_distributed(dist_backend=accelerator()[1])
+        init_distributed(accelerator()[1])
         try:
             return calibrate(args, run, topo, device, before_group)
         finally:

@@ -35,6 +35,12 @@ The reaches, by what they serve, and their guard:
   loads the old way).
 - The optimizer's master dtype (master_dtype) and DeepSpeed's op report for `zerotrain doctor`
   (op_report: git_version_info, op_builder.all_ops).
+- CPU ranks without a compiler (init_distributed): deepspeed.comm's TorchBackend builds the CPU
+  accelerator's shared-memory collective op just in time (comm/torch.py build_shm_op), which fails
+  where no C++ compiler is installed (zerotrain's Docker image). The op is marked incompatible in
+  deepspeed.ops.__compatible_ops__ (the dict build_shm_op reads; DeepSpeed caches it at first access
+  so that edits persist), and the collectives stay gloo's. Guard: only with the CPU accelerator and
+  no compiler; the dict is checked to be one.
 
 Public APIs used where they exist: torch.accelerator.empty_host_cache() to give freed pinned memory
 back, and the ds_to_universal command line (to_universal) for universal checkpoints."""
@@ -731,3 +737,21 @@ class Partitioner:
         if self.init is not None:
             _require(self.init, ("_keep_in_fp32",), "zero.Init", LOAD_WHOLE)
             self.init._keep_in_fp32(model)
+
+
+def init_distributed(backend: str, timeout: Any = None) -> None:
+    """deepspeed.init_distributed; on the CPU accelerator with no C++ compiler (CXX, or c++), first marks
+    its shared-memory collective op incompatible, so that DeepSpeed keeps gloo's collectives instead of
+    failing to build the op (see the module docstring)."""
+    import shutil
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and shutil.which(os.environ.get("CXX", "c++")) is None:
+        builder = accelerator.create_op_builder("ShareMemCommBuilder")
+        compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+        if builder is not None and isinstance(compatible, dict):
+            compatible[builder.NAME] = False
+    deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))

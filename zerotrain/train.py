@@ -135,8 +135,7 @@ def train(args: argparse.Namespace) -> int:
 
 def start(run: RunConfig) -> int:
     """Start-up, the process group, and one orderly way out of it on every rank (fit() is the run)."""
-    import deepspeed
-
+    from zerotrain.deepspeed_compat import init_distributed
     from zerotrain.families import check_resolution
     from zerotrain.models.catalog import resolve_model
 
@@ -149,8 +148,7 @@ def start(run: RunConfig) -> int:
     if topo.world_size == 1:
         standalone_rendezvous()
     use_device(topo)
-    deepspeed.init_distributed(dist_backend=accelerator()[1],
-                               timeout=timedelta(seconds=run.faults.collective_timeout_seconds))
+    init_distributed(accelerator()[1], timedelta(seconds=run.faults.collective_timeout_seconds))
     heartbeat = Heartbeat(topo, run.faults.lost_rank_seconds)
     finished = False
     try:
