@@ -287,7 +287,8 @@ class Family(Protocol):
         """The denoiser's forward arguments (flow_inputs' or example_inputs') with the references'
         clean latents (each (B, C, h, w), normalized as the target's) appended after the noisy tokens,
         with their position ids and timesteps, exactly as the pipeline appends them. The denoiser's
-        output then holds the target's tokens first; only they are scored."""
+        output then holds the target's tokens first; only they are scored. The count is checked against
+        max_references before (the cache's check_references, the planner's plan_references)."""
         ...
 
     def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:

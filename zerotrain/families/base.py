@@ -165,11 +165,6 @@ class BaseFamily:
     def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
         raise self._no_references(spec)
 
-    def _too_many(self, spec: ModelSpec, count: int) -> ZerotrainError:
-        return ZerotrainError(f"model.name_or_path='{spec.name}': {count} reference images, but "
-                              f"{self.pipeline_name(spec)} takes at most {self.max_references(spec)}; "
-                              "give each target fewer controls")
-
     def _no_references(self, spec: ModelSpec) -> ZerotrainError:
         return ZerotrainError(f"model.name_or_path='{spec.name}': {self.title} ({self.pipeline_name(spec)}) takes no "
                               "reference images; train an edit model, or remove the controls")

@@ -213,8 +213,6 @@ class Flux(BaseFamily):
         ids the target grid's ids (_prepare_latent_image_ids) with channel 0 set to 1; one timestep."""
         import torch
 
-        if len(references) > self.max_references(spec):
-            raise self._too_many(spec, len(references))
         hidden, ids = [kwargs["hidden_states"]], [kwargs["img_ids"]]
         for latents in references:
             _, _, h, w = latents.shape

@@ -341,8 +341,6 @@ class Flux2(BaseFamily):
         import torch
         from diffusers import Flux2Pipeline
 
-        if len(references) > self.max_references(spec):
-            raise self._too_many(spec, len(references))
         hidden = kwargs["hidden_states"]
         b = hidden.shape[0]
         packed = [Flux2Pipeline._pack_latents(latents).to(hidden.dtype) for latents in references]

@@ -209,8 +209,6 @@ class QwenImage(BaseFamily):
         transformer (zero_cond_t) itself doubles, giving the reference tokens t = 0 (modulate_index)."""
         import torch
 
-        if len(references) > self.max_references(spec):
-            raise self._too_many(spec, len(references))
         hidden = kwargs["hidden_states"]
         packed = [pack_latents(latents).to(hidden.dtype) for latents in references]
         shapes = [[*sample, *[(1, r.shape[2] // QWEN_PATCH, r.shape[3] // QWEN_PATCH) for r in references]]
