@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import forked
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "tiny-cpu.yaml"
 TINY_DATA = REPO / "examples" / "tiny-data"
@@ -94,11 +96,8 @@ def start_ranks(args: list[str], log_dir: Path, name: str, world: int = WORLD,
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
     port = free_port()
     logs = [log_dir / f"{name}.rank{rank}.log" for rank in range(world)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as out:
-            procs.append(subprocess.Popen(args, env={**env, **rank_env(rank, world, port, slurm)},
-                                          stdout=out, stderr=subprocess.STDOUT, cwd=log_dir))
+    procs = [forked.popen(args, {**env, **rank_env(rank, world, port, slurm)}, log, log_dir)
+             for rank, log in enumerate(logs)]
     return procs, logs
 
 
@@ -155,6 +154,7 @@ def deepspeed_cpu_ops_built() -> None:
               "        print(name, 'does not build:', err)\n")
     subprocess.run([sys.executable, "-c", script], env=process_env(), check=False, capture_output=True,
                    timeout=TIMEOUT_S)
+    forked.start(process_env())
 
 
 @pytest.fixture(scope="session")
