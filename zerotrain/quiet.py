@@ -33,6 +33,11 @@ HIDDEN_WARNINGS: list[tuple[str, type[Warning], str]] = [
     # diffusers to act on, on every rank, whenever a Chroma model is built.
     (r"`FluxPosEmbed` is deprecated and will be removed in version [\d.]+\. Importing and using `FluxPosEmbed` from `diffusers\.models\.embeddings`",
      FutureWarning, r"diffusers\.models\.embeddings$"),
+    # diffusers 0.42's Krea2RMSNorm normalizes in float32 with its (1 + weight) scale, which the
+    # model keeps in float32 (_keep_in_fp32_modules); DeepSpeed's bf16 engine casts every parameter
+    # to bf16, so torch falls back from its fused kernel to the same arithmetic, on every rank and step.
+    (r"Mismatch dtype between input and weight: input dtype = float, weight dtype = c10::BFloat16", UserWarning,
+     r"torch\.nn\.functional$"),
 ]
 
 # Logging records: (logger name, message regex). A filter on the logger the record is made on.

@@ -54,6 +54,10 @@ PARAMETERS = {
     "tiny-z-image": 364_176,
     "chroma": 8_899_983_424,
     "tiny-chroma": 45_808,
+    # Krea 2 Turbo is Krea 2 Raw distilled: the same architecture (the class defaults).
+    "krea-2-raw": 12_820_073_036,
+    "krea-2-turbo": 12_820_073_036,
+    "tiny-krea2": 41_138,
 }
 TINY = ["tiny-flux", "tiny-sd3", "tiny-sdxl"]
 

@@ -9,8 +9,10 @@ how latents are normalized) the family says (zerotrain.families).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -48,6 +50,9 @@ class Encoders:
     """In the pipeline's order (text_encoder, text_encoder_2, ...); empty once freed."""
     identity: str
     """Stable digest of the VAE, tokenizer and text encoder files plus family and dtype: a cache key."""
+    settings: dict = dataclasses.field(default_factory=dict)
+    """The pipeline's own settings from model_index.json (Krea 2's text_encoder_select_layers,
+    is_distilled), which the text-only pipeline of encode_prompt is built with."""
 
 
 class LatentMoments(NamedTuple):
@@ -123,6 +128,7 @@ def load_encoders(
     text_encoders = [getattr(pipeline, encoder) for _, encoder in components]
     for module in [pipeline.vae, *text_encoders]:
         module.to(device).requires_grad_(False).eval()
+    accepted = inspect.signature(pipeline_class.__init__).parameters
     return Encoders(
         family=spec.family,
         pipeline=pipeline_class.__name__,
@@ -130,6 +136,8 @@ def load_encoders(
         tokenizers=tokenizers,
         text_encoders=text_encoders,
         identity=encoders_identity(spec, folder, dtype),
+        settings={key: value for key, value in pipeline.config.items()
+                  if key in accepted and key not in pipeline.components},
     )
 
 
@@ -200,7 +208,7 @@ def _text_pipeline(encoders: Encoders) -> Any:
 
     family = families.by_name(encoders.family)
     components: dict[str, Any] = {"vae": None, "scheduler": None, family.denoiser_folder: None,
-                                  **family.pipeline_extras}
+                                  **family.pipeline_extras, **encoders.settings}
     for (tokenizer_name, encoder_name), tokenizer, encoder in zip(
         family.text_components, encoders.tokenizers, encoders.text_encoders, strict=True
     ):

@@ -75,6 +75,14 @@ PRESETS: dict[str, list[str]] = {
     "chroma-lora-1xRTX4090-24GB.json": [
         "--model", "chroma", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
         "--global-batch", "4"],
+    # Krea 2 (issue 26): a LoRA on Raw, the checkpoint Krea recommends training; the full fine-tune
+    # needs two 80 GB cards with the profile's 128 GiB of host RAM each (one does not fit).
+    "krea-2-raw-lora-1xRTX4090-24GB.json": [
+        "--model", "krea-2-raw", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
+        "--global-batch", "4"],
+    "krea-2-raw-full-2xA100-80GB.json": [
+        "--model", "krea-2-raw", "--resolution", "1024", "--gpus", "2xA100-80GB", "--mode", "full",
+        "--global-batch", "8"],
 }
 
 ROOT = Path(__file__).resolve().parents[2] / "deepspeed_configs"
