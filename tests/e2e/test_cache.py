@@ -93,12 +93,12 @@ def test_a_killed_build_resumes_and_never_trusts_a_partial_shard(model_dir, imag
     real_write = cache_module.write_shard
     written = []
 
-    def dying_write(folder, rank, tensors):
+    def dying_write(folder, rank, tensors, **kwargs):
         if folder.name == "latents" and len(written) == 1:
             # The process dies while writing: a partial temporary is left behind.
             (folder / "0000-dead.tmp").write_bytes(b"half a shard")
             raise KeyboardInterrupt
-        path = real_write(folder, rank, tensors)
+        path = real_write(folder, rank, tensors, **kwargs)
         if folder.name == "latents":
             written.append(path)
         return path

@@ -20,6 +20,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Trans
 from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
 from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
 from peft import LoraConfig, get_peft_model_state_dict
+from PIL import Image
 
 from tests.unit.test_sampling import check_image, make_validator
 from zerotrain.cli import main
@@ -181,6 +182,40 @@ def test_the_transformer_sees_the_pipelines_layout_through_the_trimmed_cache(fol
                                       encoder_attention_mask=mask, return_dict=False)[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert ours.shape == prepared.target.shape == (2, 16, 64)
+
+
+def test_the_cache_stores_each_caption_without_its_padding_and_reads_it_back_whole(folder, encoders, tmp_path):
+    """At the pipeline's 512 tokens a caption's (12, 2560) stacks are 31 MB padded: the shard keeps its
+    own rows, and the dataset gives back exactly what encode_prompts gave, padding included."""
+    from safetensors import safe_open
+
+    from zerotrain.config import load_config
+    from zerotrain.data.cache import CachedDataset
+    from zerotrain.data.prepare import prepare
+    from zerotrain.distributed import Topology
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for n, caption in enumerate(CAPTIONS):
+        Image.new("RGB", (SIDE, SIDE), (40 * n, 90, 200)).save(images / f"{n}.png")
+        (images / f"{n}.txt").write_text(caption)
+    run = load_config(None, [f"model.name_or_path={folder}", f"data.datasets=[{{path: {images}}}]",
+                             f"data.resolution={SIDE}", f"data.cache_dir={tmp_path / 'cache'}", "data.num_workers=0",
+                             "training.global_batch_size=2"])
+    prepared = prepare(run, spec_of(folder), Topology(0, 1, 0))
+    dataset = CachedDataset(prepared.planned, run.data.cache_dir)
+    shard = next((run.data.cache_dir / "text").glob("*.safetensors"))
+    with safe_open(shard, framework="pt") as handle:
+        stored = {name: handle.get_slice(name).get_shape() for name in handle.keys()}  # noqa: SIM118
+    own = sorted(int(encode_prompts(encoders, [c], 512)["prompt_embeds_mask"].sum()) for c in CAPTIONS)
+    assert sorted(shape[0] for name, shape in stored.items() if name.endswith(".prompt_embeds")) == own
+    assert own[-1] < 40 and sorted(shape[0] for name, shape in stored.items() if name.endswith("_mask")) == own
+    for i, planned in enumerate(prepared.planned):
+        direct = encode_prompts(encoders, [planned.item.caption], 512)
+        sample = dataset[i]
+        assert sample["prompt_embeds"].shape == (512, 2, 16)
+        assert torch.equal(sample["prompt_embeds_mask"], direct["prompt_embeds_mask"][0])
+        torch.testing.assert_close(sample["prompt_embeds"].float(), direct["prompt_embeds"][0], rtol=1e-2, atol=1e-2)
 
 
 def test_cached_latents_are_the_vaes_normalized_per_channel(pipeline, encoders):
