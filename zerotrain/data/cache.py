@@ -206,11 +206,9 @@ def write_shard(folder: Path, rank: int, tensors: dict[str, torch.Tensor], trim:
     tmp = final.with_suffix(".tmp")
     metadata = {"version": str(CACHE_VERSION)}
     if trim:
-        lengths = {}
-        for name, tensor in list(tensors.items()):
-            kept = _kept_rows(tensor)
-            if kept < len(tensor):
-                tensors[name], lengths[name] = tensor[:kept], len(tensor)
+        kept = {name: _kept_rows(tensor) for name, tensor in tensors.items()}
+        lengths = {name: len(tensors[name]) for name, rows in kept.items() if rows < len(tensors[name])}
+        tensors = {name: tensor[:kept[name]] if name in lengths else tensor for name, tensor in tensors.items()}
         metadata["lengths"] = json.dumps(lengths, separators=(",", ":"))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     os.replace(tmp, final)
@@ -219,10 +217,8 @@ def write_shard(folder: Path, rank: int, tensors: dict[str, torch.Tensor], trim:
 
 def _kept_rows(tensor: torch.Tensor) -> int:
     """The rows of `tensor` (dim 0) up to its last one that is not all zeros (at least one row)."""
-    if tensor.ndim == 0 or len(tensor) < 2:
-        return len(tensor) if tensor.ndim else 0
     nonzero = tensor.reshape(len(tensor), -1).ne(0).any(dim=1).nonzero()
-    return max(1, int(nonzero[-1]) + 1) if len(nonzero) else 1
+    return int(nonzero[-1]) + 1 if len(nonzero) else min(1, len(tensor))
 
 
 def stored_lengths(handle: Any) -> dict[str, int]:

@@ -15,15 +15,15 @@ methods), so resolving a model and reading cached plan facts stays fast.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.errors import ZerotrainError
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import torch
 
     from zerotrain.protocols import FlowObjective, ModelSpec
@@ -206,6 +206,15 @@ class BaseFamily:
         names are their diffusers paths under a prefix say which."""
         raise ZerotrainError(f"{self.title}: a LoKr or LoHa has no ComfyUI export yet (a LoRA has); "
                              "export without --comfyui")
+
+
+def model_index(folder: Path | str, title: str) -> dict[str, Any]:
+    """A model folder's model_index.json: the pipeline's own settings (is_distilled, ...)."""
+    path = Path(folder) / "model_index.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ZerotrainError(f"{path}: cannot read the pipeline settings of the {title} model ({err})") from err
 
 
 def area_size(control: tuple[int, int], area: int, multiple: int) -> tuple[int, int]:

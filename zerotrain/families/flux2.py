@@ -22,7 +22,6 @@ torchvision installed; zerotrain does not install it, so caching a real [dev] fo
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,7 @@ from zerotrain.families.base import (
     check_tokens,
     example_timestep,
     meta_or_random,
+    model_index,
     shift_from_mu,
 )
 from zerotrain.families.flux import FLUX_SCHEDULER, fuse_lora, swap_halves
@@ -165,14 +165,6 @@ def _prompt_embeds(batch: dict[str, torch.Tensor], b: int) -> torch.Tensor:
     if text.ndim != 3 or text.shape[0] != b:
         raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
     return text
-
-
-def _model_index(folder: Path) -> dict[str, Any]:
-    path = folder / "model_index.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ZerotrainError(f"{path}: cannot read the pipeline settings of the FLUX.2 model ({err})") from err
 
 
 def bfl_module(module: str) -> tuple[str, tuple[str, ...]] | None:
@@ -396,7 +388,7 @@ class Flux2(BaseFamily):
         return {"is_distilled": self._distilled(folder)}
 
     def _distilled(self, folder: Path) -> bool:
-        return bool(_model_index(folder).get("is_distilled", False))
+        return bool(model_index(folder, "FLUX.2").get("is_distilled", False))
 
     # --- export ------------------------------------------------------------------------------------
 

@@ -34,22 +34,23 @@ converters (single file and LoRA) read back.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
     check_tokens,
     example_timestep,
     meta_or_random,
+    model_index,
 )
 from zerotrain.families.qwen_image import FAMILY as QWEN_IMAGE
 from zerotrain.families.qwen_image import QWEN_PATCH, pack_latents
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from zerotrain.protocols import FlowObjective, ModelSpec
@@ -170,7 +171,7 @@ class Krea2(BaseFamily):
                                                   "base_shift": 0.5, "max_shift": 1.15}
 
     def latent_channels(self, config: dict[str, Any], where: Any) -> int:
-        return QWEN_IMAGE.latent_channels({"in_channels": config.get("in_channels") or self.default_in_channels}, where)
+        return QWEN_IMAGE.latent_channels(config, where)  # in_channels // 4; both default to 64
 
     def published_vae(self, config: dict[str, Any]) -> VaeFacts:
         # krea/Krea-2-Raw vae: Qwen-Image's, 8x, 16 channels, normalized per channel.
@@ -253,13 +254,7 @@ class Krea2(BaseFamily):
     def pipeline_kwargs(self, spec: ModelSpec, folder: Path) -> dict[str, Any]:
         """The model folder's own text_encoder_select_layers, is_distilled and patch_size (model_index.json),
         which Krea2Pipeline registers: Turbo samples at a fixed shift."""
-        import json
-
-        path = Path(folder) / "model_index.json"
-        try:
-            index = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise ZerotrainError(f"{path}: cannot read the Krea 2 pipeline's settings ({err})") from err
+        index = model_index(folder, self.title)
         return {key: index[key] for key in ("text_encoder_select_layers", "is_distilled", "patch_size") if key in index}
 
     def validation_kwargs(self, embeds: dict[str, Any], negative: dict[str, Any] | None, guidance_scale: float) -> dict[str, Any]:
