@@ -167,17 +167,18 @@ def mse_loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | N
 
 
 def sample_flow_timesteps(
-    config: ObjectiveConfig, batch_size: int, generator: torch.Generator
+    config: ObjectiveConfig, batch_size: int, generator: torch.Generator, auto_logit_std: float = 1.0
 ) -> torch.Tensor:
     """t (batch_size,) float32 in [0, 1] on the generator's device, drawn per config.timestep_sampling
-    by diffusers' compute_density_for_timestep_sampling (SD3 paper, section 3.1)."""
+    by diffusers' compute_density_for_timestep_sampling (SD3 paper, section 3.1); auto_logit_std is the
+    logit-normal's std when config.logit_std is auto (the family's, Family.timestep_logit_std)."""
     from diffusers.training_utils import compute_density_for_timestep_sampling
 
     t = compute_density_for_timestep_sampling(
         weighting_scheme=config.timestep_sampling,
         batch_size=batch_size,
         logit_mean=config.logit_mean,
-        logit_std=config.logit_std,
+        logit_std=auto_logit_std if config.logit_std == "auto" else config.logit_std,
         mode_scale=config.mode_scale,
         device=generator.device,
         generator=generator,
@@ -233,19 +234,18 @@ class FlowMatching:
 
     def shift(self, image_seq_len: int) -> float:
         """config.shift when set; else the scheduler's: dynamic for this many image tokens when it
-        uses dynamic shifting (Flux), its static shift otherwise (SD3: 3.0)."""
+        uses dynamic shifting (Flux), its static shift otherwise (SD3: 3.0), or the family's own
+        (Family.sampling_shift)."""
         if self.config.shift != "auto":
             return float(self.config.shift)
-        if self.scheduler_config.get("use_dynamic_shifting", False):
-            return self.family.dynamic_shift(self.scheduler_config, image_seq_len)
-        return float(self.scheduler_config.get("shift", 1.0))
+        return self.family.sampling_shift(self.spec, self.scheduler_config, image_seq_len)
 
     def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator) -> Prepared:
         mean, std, mask, references = choose_flip(batch, generator)
         x0 = sample_posterior(mean, std, generator)
         b, _, h, w = x0.shape
         tokens = self.family.latent_tokens(self.spec, h, w)
-        t = sample_flow_timesteps(self.config, b, generator).to(x0.device)
+        t = sample_flow_timesteps(self.config, b, generator, self.family.timestep_logit_std).to(x0.device)
         sigma = shift_sigmas(t, self.shift(tokens))
         noise = _randn(x0.shape, generator, x0.device)
         x_t = flow_interpolate(x0, noise, sigma)
@@ -259,9 +259,10 @@ class FlowMatching:
 
     def loss(self, pred: Any, prepared: Prepared) -> torch.Tensor:
         """pred: the first element of the denoiser's return_dict=False output; with references, its
-        target tokens (the first ones, as the edit pipelines cut noise_pred) are scored."""
+        target tokens (the first ones, as the edit pipelines cut noise_pred) are scored, and so they are of
+        a family whose output covers its text rows too (Family.joint_output)."""
         pred = self.family.prediction(pred)
-        if prepared.references:
+        if prepared.references or self.family.joint_output:
             pred = target_tokens(pred, prepared.target)
         return mse_loss(pred, prepared.target, prepared.weights, prepared.mask)
 

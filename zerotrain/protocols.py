@@ -137,6 +137,12 @@ class Family(Protocol):
     objective: ClassVar[str]
     """flow: rectified flow with the scheduler's shift, inputs laid out by flow_inputs; ddpm: noise
     prediction with the scheduler's betas, for UNets (ddpm_time_ids says what conditions them)."""
+    timestep_logit_std: ClassVar[float]
+    """Flow: the logit-normal timestep distribution's standard deviation when objective.logit_std is
+    auto (the family's training script's; 1.0, the SD3 paper's, for most)."""
+    joint_output: ClassVar[bool]
+    """The denoiser's output covers its whole input sequence, text rows included, the target's tokens
+    first (flow_inputs lays them out so): only those are scored, as with references."""
 
     # --- the model and its latents -----------------------------------------------------------------
 
@@ -242,6 +248,12 @@ class Family(Protocol):
         (max_image_seq_len, max_shift), shift_defaults filling what the config leaves out."""
         ...
 
+    def sampling_shift(self, spec: ModelSpec, scheduler_config: dict[str, Any], image_seq_len: int) -> float:
+        """The shift training draws sigma with for image_seq_len image tokens: the one the pipeline samples
+        with. By default the scheduler's: dynamic_shift when it uses dynamic shifting, its static shift
+        otherwise; a pipeline that sets its own sigmas says how they shift."""
+        ...
+
     def flow_inputs(
         self, objective: FlowObjective, x_t: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor,
         batch: dict[str, torch.Tensor],
@@ -313,6 +325,12 @@ class Family(Protocol):
     def pipeline_kwargs(self, spec: ModelSpec, folder: Path) -> dict[str, Any]:
         """Constructor arguments beyond the components when zerotrain builds this model's pipeline around
         the trained denoiser (settings of its folder's model_index.json): pipeline_extras by default."""
+        ...
+
+    def validation_pipeline(self, spec: ModelSpec, folder: Path, components: dict[str, Any], device: torch.device) -> Any:
+        """The pipeline that renders validation images from `components` (the trained denoiser, a VAE, the
+        scheduler, no text encoders) and the model folder: the family pipeline's own class by default; a
+        family whose pipeline needs more (a frozen second denoiser) loads it here."""
         ...
 
     def validation_kwargs(

@@ -38,6 +38,11 @@ HIDDEN_WARNINGS: list[tuple[str, type[Warning], str]] = [
     # to bf16, so torch falls back from its fused kernel to the same arithmetic, on every rank and step.
     (r"Mismatch dtype between input and weight: input dtype = float, weight dtype = c10::BFloat16", UserWarning,
      r"torch\.nn\.functional$"),
+    # diffusers 0.42's Ideogram4Pipeline.encode_prompt runs Qwen3-VL's decoder layers itself, passing
+    # past_key_values=None, which transformers 5.24 deprecates (for `cache`); once per caption batch, for
+    # diffusers to act on before transformers 5.40.
+    (r"`past_key_values` is deprecated and will be removed in version [\d.]+ for `(create_causal_mask|Qwen3VLTextDecoderLayer\.forward)`",
+     FutureWarning, r"(diffusers\.pipelines\.ideogram4\.pipeline_ideogram4|transformers\.modeling_layers)$"),
 ]
 
 # Logging records: (logger name, message regex). A filter on the logger the record is made on.

@@ -203,7 +203,8 @@ class Validator:
 
     def _pipeline(self, model: torch.nn.Module) -> Any:
         """The family's pipeline around `model` as it is (not moved), a freshly loaded VAE in the
-        model's dtype on the device, the scheduler, and no text encoders or tokenizers."""
+        model's dtype on the device, the scheduler, and no text encoders or tokenizers
+        (Family.validation_pipeline)."""
         import diffusers
 
         family = self.family
@@ -213,7 +214,7 @@ class Validator:
                                       **family.pipeline_kwargs(self.spec, self.folder)}
         for tokenizer, encoder in family.text_components:
             components[tokenizer] = components[encoder] = None
-        pipeline = getattr(diffusers, family.pipeline_name(self.spec))(**components)
+        pipeline = family.validation_pipeline(self.spec, self.folder, components, self.device)
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
 

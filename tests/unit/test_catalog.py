@@ -58,6 +58,9 @@ PARAMETERS = {
     "krea-2-raw": 12_820_073_036,
     "krea-2-turbo": 12_820_073_036,
     "tiny-krea2": 41_138,
+    # Ideogram 4's conditional transformer (the class defaults); the pipeline's unconditional one is a second.
+    "ideogram-4": 9_279_288_448,
+    "tiny-ideogram4": 36_368,
 }
 TINY = ["tiny-flux", "tiny-sd3", "tiny-sdxl"]
 

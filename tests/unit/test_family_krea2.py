@@ -28,7 +28,8 @@ from zerotrain.config import ModelConfig, RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
-from zerotrain.families.krea2 import FAMILY, KREA2_SCHEDULER, compact_captions, trim_stacks
+from zerotrain.families.base import compact_rows, trim_rows
+from zerotrain.families.krea2 import FAMILY, KREA2_SCHEDULER
 from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
 from zerotrain.models.tiny import build_tiny_pipeline
@@ -229,9 +230,9 @@ def test_cached_latents_are_the_vaes_normalized_per_channel(pipeline, encoders):
 
 def test_compacting_refuses_what_it_cannot_keep():
     with pytest.raises(ValueError, match="1..3"):
-        compact_captions(torch.zeros(1, 5, 2, 4), torch.ones(1, 5, dtype=torch.bool), 3)
+        compact_rows(torch.zeros(1, 5, 2, 4), torch.ones(1, 5, dtype=torch.bool), 3)
     with pytest.raises(ValueError, match="marks no token"):
-        trim_stacks(torch.zeros(1, 5, 2, 4), torch.zeros(1, 5))
+        trim_rows(torch.zeros(1, 5, 2, 4), torch.zeros(1, 5))
 
 
 # --- the objective -----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -311,8 +311,9 @@ class ObjectiveConfig(_Section):
     """Flow matching: how training timesteps are drawn (SD3 paper, section 3.1)."""
     logit_mean: float = 0.0
     """Mean of the logit-normal timestep distribution."""
-    logit_std: float = Field(1.0, gt=0)
-    """Standard deviation of the logit-normal timestep distribution."""
+    logit_std: Literal["auto"] | Annotated[float, Field(gt=0)] = "auto"
+    """Standard deviation of the logit-normal timestep distribution: auto uses the family training
+    script's (1.5 for Ideogram 4, 1.0 for the others)."""
     mode_scale: float = Field(1.29, ge=0)
     """Scale of the mode timestep distribution."""
     shift: Literal["auto"] | float = "auto"

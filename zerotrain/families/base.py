@@ -52,6 +52,8 @@ class BaseFamily:
     shift_defaults: ClassVar[dict[str, float]] = {}
     depth_keys: ClassVar[tuple[str, ...]] = ("num_layers",)
     objective: ClassVar[str] = "flow"
+    timestep_logit_std: ClassVar[float] = 1.0
+    joint_output: ClassVar[bool] = False
     diffusers_lokr: ClassVar[bool] = False
     """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2)."""
 
@@ -141,6 +143,11 @@ class BaseFamily:
                              params["base_shift"], params["max_shift"])
         return shift_from_mu(scheduler_config, mu)
 
+    def sampling_shift(self, spec: ModelSpec, scheduler_config: dict[str, Any], image_seq_len: int) -> float:
+        if scheduler_config.get("use_dynamic_shifting", False):
+            return self.dynamic_shift(scheduler_config, image_seq_len)
+        return float(scheduler_config.get("shift", 1.0))
+
     def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> Any:
         raise NotImplementedError(f"{self.name} trains with the {self.objective} objective, not flow matching")
 
@@ -179,6 +186,11 @@ class BaseFamily:
 
     def pipeline_kwargs(self, spec: ModelSpec, folder: Path) -> dict[str, Any]:
         return dict(self.pipeline_extras)
+
+    def validation_pipeline(self, spec: ModelSpec, folder: Path, components: dict[str, Any], device: torch.device) -> Any:
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_name(spec))(**components)
 
     def validation_kwargs(
         self, embeds: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None, guidance_scale: float
@@ -291,6 +303,41 @@ def kohya_prefixed(
     for module, (down, up) in pairs.items():
         out.update(kohya_lora(prefix + module.replace(".", "_"), down, up, alpha))
     return out
+
+
+def compact_rows(embeds: torch.Tensor, mask: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
+    """A pipeline's per-token text (B, T, ...) and its (B, T) mask, wherever the mask puts the padding,
+    as the cache keeps them: each caption's own rows in order, zero-padded at the end to `tokens`, and a
+    prefix mask (B, tokens) int64 (prompt_embeds, prompt_embeds_mask). For a transformer that is blind
+    to where padding sits (its text positions do not count the padding, padded keys are masked)."""
+    import torch
+
+    if embeds.ndim < 3 or tuple(mask.shape) != tuple(embeds.shape[:2]):
+        raise ValueError(f"expected prompt_embeds (B, T, ...) and a (B, T) mask, got {tuple(embeds.shape)} "
+                         f"and {tuple(mask.shape)}")
+    valid = mask.bool()
+    lengths = valid.sum(dim=1)
+    if int(lengths.max()) > tokens or int(lengths.min()) < 1:
+        raise ValueError(f"caption lengths {lengths.tolist()} must be 1..{tokens}")
+    out = embeds.new_zeros(embeds.shape[0], tokens, *embeds.shape[2:])
+    prefix = torch.zeros(embeds.shape[0], tokens, dtype=torch.int64, device=embeds.device)
+    for i in range(embeds.shape[0]):
+        out[i, : int(lengths[i])] = embeds[i][valid[i]]
+        prefix[i, : int(lengths[i])] = 1
+    return {"prompt_embeds": out, "prompt_embeds_mask": prefix}
+
+
+def trim_rows(text: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached text (B, T, ...) and its prefix mask (compact_rows) cut to the longest caption: (B, n, ...)
+    and a bool (B, n) mask."""
+    if text.ndim < 3 or tuple(mask.shape) != tuple(text.shape[:2]):
+        raise ValueError(f"prompt_embeds (B, T, ...) and prompt_embeds_mask (B, T) do not match: "
+                         f"{tuple(text.shape)} and {tuple(mask.shape)}")
+    valid = mask > 0
+    length = int(valid.sum(dim=1).max())
+    if length < 1:
+        raise ValueError("prompt_embeds_mask marks no token of any caption")
+    return text[:, :length], valid[:, :length]
 
 
 def check_tokens(text_tokens: int, low: int, high: int, what: str) -> None:

@@ -40,9 +40,11 @@ from zerotrain.families.base import (
     PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
     check_tokens,
+    compact_rows,
     example_timestep,
     meta_or_random,
     model_index,
+    trim_rows,
 )
 from zerotrain.families.qwen_image import FAMILY as QWEN_IMAGE
 from zerotrain.families.qwen_image import QWEN_PATCH, pack_latents
@@ -107,40 +109,6 @@ def native_name(name: str) -> str:
     return name
 
 
-def compact_captions(embeds: torch.Tensor, mask: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
-    """Krea2Pipeline.encode_prompt's (B, T, L, D) stacks and their (B, T) mask (prompt, padding,
-    suffix) as the cache keeps them: each caption's own rows in order, zero-padded at the end to
-    `tokens`, and a prefix mask (B, tokens) int64."""
-    import torch
-
-    if embeds.ndim != 4 or tuple(mask.shape) != tuple(embeds.shape[:2]):
-        raise ValueError(f"expected prompt_embeds (B, T, L, D) and a (B, T) mask, got {tuple(embeds.shape)} "
-                         f"and {tuple(mask.shape)}")
-    valid = mask.bool()
-    lengths = valid.sum(dim=1)
-    if int(lengths.max()) > tokens or int(lengths.min()) < 1:
-        raise ValueError(f"caption lengths {lengths.tolist()} must be 1..{tokens}")
-    out = embeds.new_zeros(embeds.shape[0], tokens, *embeds.shape[2:])
-    prefix = torch.zeros(embeds.shape[0], tokens, dtype=torch.int64, device=embeds.device)
-    for i in range(embeds.shape[0]):
-        out[i, : int(lengths[i])] = embeds[i][valid[i]]
-        prefix[i, : int(lengths[i])] = 1
-    return {"prompt_embeds": out, "prompt_embeds_mask": prefix}
-
-
-def trim_stacks(text: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached (B, T, L, D) stacks and their prefix mask cut to the longest caption: (B, n, L, D) and a
-    bool (B, n) mask."""
-    if text.ndim != 4 or tuple(mask.shape) != tuple(text.shape[:2]):
-        raise ValueError(f"prompt_embeds (B, T, L, D) and prompt_embeds_mask (B, T) do not match: "
-                         f"{tuple(text.shape)} and {tuple(mask.shape)}")
-    valid = mask > 0
-    length = int(valid.sum(dim=1).max())
-    if length < 1:
-        raise ValueError("prompt_embeds_mask marks no token of any caption")
-    return text[:, :length], valid[:, :length]
-
-
 def position_ids(text_tokens: int, height: int, width: int, device: Any) -> torch.Tensor:
     """Krea2Pipeline.prepare_position_ids for (height, width) latents: (text_tokens + tokens, 3), text at 0."""
     from diffusers import Krea2Pipeline
@@ -193,7 +161,7 @@ class Krea2(BaseFamily):
         at the end; prompt_embeds_mask (B, text_tokens), 1 on those rows."""
         check_tokens(text_tokens, SUFFIX_TOKENS + 1, 4096, "Qwen3-VL tokens for Krea 2 (the prompt and its 5-token suffix)")
         embeds, mask = pipeline.encode_prompt(list(captions), device=device, max_sequence_length=text_tokens)
-        return compact_captions(embeds, mask, text_tokens)
+        return compact_rows(embeds, mask, text_tokens)
 
     # --- latents: Qwen-Image's VAE, as the training script encodes and normalizes ------------------
 
@@ -219,7 +187,7 @@ class Krea2(BaseFamily):
         text, mask = batch["prompt_embeds"], batch["prompt_embeds_mask"]
         if text.shape[0] != b:
             raise ValueError(f"prompt_embeds must be ({b}, T, L, D), got {tuple(text.shape)}")
-        text, valid = trim_stacks(text, mask)
+        text, valid = trim_rows(text, mask)
         dtype = objective.model_dtype
         # Krea2Pipeline passes t / 1000 = sigma in the latents' dtype; no mask where no caption is padded
         # (the same result, and SDPA's unmasked kernels).
@@ -263,9 +231,9 @@ class Krea2(BaseFamily):
         keys are masked, so the transformer sees what the pipeline's own layout gives it)."""
         import torch
 
-        texts = [trim_stacks(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])]
+        texts = [trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])]
         if negative is not None:
-            texts.append(trim_stacks(negative["prompt_embeds"], negative["prompt_embeds_mask"]))
+            texts.append(trim_rows(negative["prompt_embeds"], negative["prompt_embeds_mask"]))
         length = max(text.shape[1] for text, _ in texts)
         texts = [(torch.nn.functional.pad(text, (0, 0, 0, 0, 0, length - text.shape[1])),
                   torch.nn.functional.pad(mask, (0, length - mask.shape[1]))) for text, mask in texts]

@@ -41,6 +41,7 @@ from zerotrain.families.base import (
     check_tokens,
     example_timestep,
     meta_or_random,
+    trim_rows,
 )
 from zerotrain.protocols import VaeFacts
 
@@ -104,19 +105,6 @@ def image_shapes(batch: int, height: int, width: int) -> list[list[tuple[int, in
     """img_shapes for (height, width) latents as QwenImagePipeline passes them: one frame of
     h/2 x w/2 tokens per sample (the transformer's RoPE reads the first sample's, so a batch shares one size)."""
     return [[(1, height // QWEN_PATCH, width // QWEN_PATCH)]] * batch
-
-
-def trim_text(text: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded embeddings (B, T, D) and their mask (B, T) (nonzero = a token, any dtype) cut to the
-    longest caption's length L: (B, L, D) and a bool mask (B, L)."""
-    if text.ndim != 3 or mask.shape != text.shape[:2]:
-        raise ValueError(f"prompt_embeds (B, T, D) and prompt_embeds_mask (B, T) do not match: "
-                         f"{tuple(text.shape)} and {tuple(mask.shape)}")
-    valid = mask > 0
-    length = int(valid.sum(dim=1).max())
-    if length < 1:
-        raise ValueError("prompt_embeds_mask marks no token of any caption")
-    return text[:, :length], valid[:, :length]
 
 
 def _channel_view(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -268,7 +256,7 @@ class QwenImage(BaseFamily):
         text, mask = batch["prompt_embeds"], batch["prompt_embeds_mask"]
         if text.shape[0] != b:
             raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
-        text, valid = trim_text(text, mask)
+        text, valid = trim_rows(text, mask)
         dtype = objective.model_dtype
         # QwenImagePipeline passes timestep / 1000 = sigma (the model scales it by 1000), no guidance, and
         # no mask when no caption is padded (as encode_prompt returns it), which lets SDPA use flash attention.
@@ -301,12 +289,12 @@ class QwenImage(BaseFamily):
         """Each prompt cut to its own length, as the pipeline encodes a prompt alone; the all-ones mask
         given along is what the pipeline's encode_prompt turns into None itself. Guidance is
         true_cfg_scale; max_sequence_length admits every cached token (the pipeline's default is 512)."""
-        text, mask = trim_text(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
+        text, mask = trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
         kwargs: dict[str, Any] = {"prompt_embeds": text, "prompt_embeds_mask": mask,
                                   "true_cfg_scale": guidance_scale,
                                   "max_sequence_length": int(embeds["prompt_embeds"].shape[1])}
         if negative is not None:
-            text, mask = trim_text(negative["prompt_embeds"], negative["prompt_embeds_mask"])
+            text, mask = trim_rows(negative["prompt_embeds"], negative["prompt_embeds_mask"])
             kwargs.update({"negative_prompt_embeds": text, "negative_prompt_embeds_mask": mask})
         return kwargs
 

@@ -30,7 +30,7 @@ _TEXT_LAYERS = 2
 _TEXT_HEADS = 2
 # Fixed seeds, one per component, so a component's weights do not depend on the others' sizes; the
 # denoiser (transformer or unet) and any component not listed take seed 0.
-_SEEDS = {"vae": 1, "text_encoder": 2, "text_encoder_2": 3, "text_encoder_3": 4}
+_SEEDS = {"vae": 1, "text_encoder": 2, "text_encoder_2": 3, "text_encoder_3": 4, "unconditional_transformer": 5}
 
 def check_room(ok: bool, name: str, denoiser: dict[str, Any]) -> None:
     if not ok:

@@ -199,6 +199,26 @@ class LiveBytesMode(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def meta_autocast() -> Iterator[None]:
+    """torch.autocast on the meta device as a null context while tracing. torch has no autocast for meta
+    and refuses to open one, even disabled, so a model that switches autocast off by its inputs' device
+    (Ideogram 4's rotary embedding: torch.autocast(device_type=position_ids.device.type, enabled=False))
+    could not trace; on meta there is no autocast to switch. Every other device type gets torch's own."""
+    real = torch.autocast
+
+    def autocast(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        if device_type == "meta":
+            return contextlib.nullcontext()
+        return real(device_type, *args, **kwargs)
+
+    torch.autocast = autocast  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        torch.autocast = real  # type: ignore[misc]
+
+
 def _storage_keys(tensors: Iterator[torch.Tensor]) -> set[int]:
     return {t.untyped_storage()._cdata for t in tensors}
 
@@ -462,10 +482,11 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
     input_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
     quantize = run.training.quantize_base
     saved_inputs_of = (torch.nn.Linear, torch.nn.Conv2d) if quantize is not Quantization.none else ()
-    no_gc, plain = trace_by_blocks(model, inputs, False, saved_inputs_of, family.prediction)
-    gc, checkpointed = trace_by_blocks(model, inputs, True, saved_inputs_of, family.prediction)
-    units = checkpoint_costs(model, inputs, no_gc, plain, checkpointed, saved_inputs_of, family.prediction)
-    moved, largest_call = offload_inputs(model, inputs, family)
+    with meta_autocast():
+        no_gc, plain = trace_by_blocks(model, inputs, False, saved_inputs_of, family.prediction)
+        gc, checkpointed = trace_by_blocks(model, inputs, True, saved_inputs_of, family.prediction)
+        units = checkpoint_costs(model, inputs, no_gc, plain, checkpointed, saved_inputs_of, family.prediction)
+        moved, largest_call = offload_inputs(model, inputs, family)
     facts = ModelFacts(
         model=spec.name, class_name=spec.class_name, family=spec.family, resolution=resolution,
         mode=run.training.mode.value, quantize=quantize.value,

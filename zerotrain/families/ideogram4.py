@@ -1,0 +1,384 @@
+"""Ideogram 4: Ideogram4Transformer2DModel, FLUX.2's VAE (AutoencoderKLFlux2) and thirteen hidden states of
+Qwen3-VL-8B per token, as Ideogram4Pipeline and diffusers' train_dreambooth_lora_ideogram4.py use them.
+
+What sets it apart:
+- Two transformers of one class. `transformer` sees the text; `unconditional_transformer` sees only the
+  image, with zeroed text, and every denoising step blends them as g * cond + (1 - g) * uncond
+  (asymmetric guidance; there is no negative prompt). Training adapts `transformer` alone, as the
+  training script does, and never loads the other one: the planner counts one 9.3B transformer. A LoRA
+  therefore moves the conditional prediction only, and guidance scales its effect. Validation renders
+  with both: the unconditional one is loaded frozen from the model folder for the render and freed
+  after, streamed block by block from the host (diffusers' group offloading) on a GPU, so that it
+  holds about one block of GPU memory.
+- One sequence for text and image. The transformer takes a single packed sequence with per-token
+  role (indicator), segment (attention only within a segment) and 3-axis position ids, and returns an
+  output for every row. The pipeline lays it out [left padding | text | image]; training lays it out
+  [image | text | padding] with the same ids, so that the prediction's first rows are the image's
+  (Family.joint_output). Every token's result is the same in both layouts: positions are explicit,
+  padding is its own segment, nothing else depends on the order (tests/unit/test_family_ideogram4.py).
+- The text is the concatenation of decoder layers 0, 3, ..., 33, 35 of Qwen3-VL (53,248 features a
+  token, 106 kB in bf16), whose positions start at 0 whatever the padding: the cache keeps each
+  caption's own rows with a prefix mask, and training trims a batch to its longest caption. The
+  pipeline does not truncate (it refuses a caption above max_sequence_length), and neither does
+  zerotrain: a caption longer than data.text_tokens is an error that names it.
+- Latents are the VAE's 32 channels folded 2x2 into 128 in (row, column, channel) order, channel
+  fastest (Ideogram4Pipeline's decode; FLUX.2 folds channel-first), normalized by the VAE's batch-norm
+  statistics. The timestep is t = 1 - sigma (1 is clean) and the output is x0 - noise, the negated
+  velocity. The pipeline sets its own sigmas: logit-normal with std 1.5 around a mean that grows with
+  the pixel count (mu = 0.5 ln(H W / 512^2)); training draws sigma so (the training script's
+  logit_normal, std 1.5, resolution-aware mean), which is the shift e^mu = sqrt(H W) / 512.
+
+ComfyUI: diffusers' Ideogram 4 LoRA loader reads the community layout (ai-toolkit's:
+"diffusion_model.layers.N.attention.qkv" fused, kohya down/up/alpha), which the ComfyUI LoRA export
+writes for the block modules. No single-file layout of the full model is public (diffusers has no
+converter), so a full fine-tune exports in diffusers' layout only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from zerotrain.errors import ZerotrainError
+from zerotrain.families.base import (
+    BaseFamily,
+    check_tokens,
+    compact_rows,
+    example_timestep,
+    kohya_lora,
+    meta_or_random,
+    trim_rows,
+)
+from zerotrain.families.flux import fuse_lora
+from zerotrain.families.flux2 import FAMILY as FLUX2
+from zerotrain.families.krea2 import qwen3_vl_config
+from zerotrain.protocols import VaeFacts
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from zerotrain.protocols import FlowObjective, ModelSpec
+
+# The published scheduler: the pipeline passes its own sigmas and no mu, so no shift of the scheduler's may
+# apply on top (use_dynamic_shifting off, shift 1).
+IDEOGRAM4_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False}
+# Ideogram4Pipeline.__call__'s max_sequence_length: the most text tokens it takes.
+MAX_TEXT_TOKENS = 2048
+# The training script's and the pipeline's logit-normal std.
+LOGIT_STD = 1.5
+# AutoencoderKLFlux2's 2x2 cells, folded into channels.
+VAE_PATCH = 2
+# The unconditional transformer's folder and pipeline component.
+UNCONDITIONAL = "unconditional_transformer"
+# diffusers' Ideogram 4 LoRA converter (lora_conversion_utils._convert_non_diffusers_ideogram4_lora_to_diffusers):
+# the community names of a block's adapted modules; q, k and v are one fused qkv there.
+_COMMUNITY = {"attention.to_out.0": "attention.o", "feed_forward.w1": "feed_forward.w1",
+              "feed_forward.w2": "feed_forward.w2", "feed_forward.w3": "feed_forward.w3",
+              "adaln_modulation": "adaln_modulation"}
+_QKV = ("attention.to_q", "attention.to_k", "attention.to_v")
+
+
+def fold(latents: torch.Tensor) -> torch.Tensor:
+    """VAE latents (B, C, h, w) as the transformer's grid (B, 4C, h/2, w/2): each 2x2 cell's values in
+    (row, column, channel) order, channel fastest, as Ideogram4Pipeline unfolds them before decoding."""
+    b, c, h, w = latents.shape
+    if h % VAE_PATCH or w % VAE_PATCH:
+        raise ValueError(f"fold: latents {h}x{w} are not a multiple of {VAE_PATCH}")
+    cells = latents.reshape(b, c, h // VAE_PATCH, VAE_PATCH, w // VAE_PATCH, VAE_PATCH)
+    return cells.permute(0, 3, 5, 1, 2, 4).reshape(b, c * VAE_PATCH * VAE_PATCH, h // VAE_PATCH, w // VAE_PATCH)
+
+
+def tokens(grid: torch.Tensor) -> torch.Tensor:
+    """A folded grid (B, C, h, w) as tokens (B, h * w, C), rows first, as the pipeline packs latents."""
+    return grid.flatten(2).transpose(1, 2)
+
+
+def joint_ids(valid: torch.Tensor, grid_h: int, grid_w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """position_ids (B, N + n, 3), segment_ids and indicator (B, N + n) of the layout [image | text | padding]
+    for a (grid_h, grid_w) image and captions whose rows `valid` (B, n) marks (a prefix each): the image's
+    ids as Ideogram4Pipeline._prepare_ids gives them, each caption's positions 0..n_i - 1 on all three
+    axes, padding in a segment of its own with position 0 and indicator 0, as the pipeline's."""
+    import torch
+    from diffusers import Ideogram4Pipeline
+    from diffusers.models.transformers.transformer_ideogram4 import (
+        LLM_TOKEN_INDICATOR,
+        SEQUENCE_PADDING_INDICATOR,
+    )
+
+    b, n = valid.shape
+    device = valid.device
+    image_pos, image_seg, image_ind = Ideogram4Pipeline._prepare_ids([0] * b, grid_h, grid_w, 0, device)
+    text_pos = (torch.arange(n, device=device) * valid).unsqueeze(-1).expand(b, n, 3)
+    text_seg = torch.where(valid, 1, SEQUENCE_PADDING_INDICATOR)
+    text_ind = torch.where(valid, LLM_TOKEN_INDICATOR, 0)
+    return (torch.cat([image_pos, text_pos], dim=1), torch.cat([image_seg, text_seg], dim=1),
+            torch.cat([image_ind, text_ind], dim=1))
+
+
+def joint_inputs(image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor, grid_h: int, grid_w: int,
+                 timestep: torch.Tensor) -> dict[str, Any]:
+    """The transformer's forward arguments for image tokens (B, N, C) and text rows (B, n, D) of which
+    `valid` (B, n) marks each caption's: the sequence [image | text | padding], zeros where a row carries
+    no latent or no text, as the pipeline fills them."""
+    import torch
+
+    b, n = valid.shape
+    hidden = torch.cat([image, image.new_zeros(b, n, image.shape[2])], dim=1)
+    features = torch.cat([text.new_zeros(b, image.shape[1], text.shape[2]), text * valid.unsqueeze(-1).to(text.dtype)],
+                         dim=1)
+    position_ids, segment_ids, indicator = joint_ids(valid, grid_h, grid_w)
+    return {"hidden_states": hidden, "timestep": timestep, "encoder_hidden_states": features,
+            "position_ids": position_ids, "segment_ids": segment_ids, "indicator": indicator}
+
+
+def chat_tokens(tokenizer: Any, caption: str) -> int:
+    """How many tokens Ideogram4Pipeline.encode_prompt gives a caption: its chat template's text, tokenized
+    without special tokens."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": caption}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def cached_text_pipeline() -> type:
+    """Ideogram4Pipeline fed cached text: __call__(prompt_embeds=(B, n, D), ...) renders with those features
+    in place of encode_prompt's (the pipeline itself takes only prompts, which need the 8B text encoder)."""
+    from diffusers import Ideogram4Pipeline
+
+    class CachedTextIdeogram4Pipeline(Ideogram4Pipeline):
+        _features: Any = None
+
+        def __call__(self, prompt_embeds: Any, **kwargs: Any) -> Any:
+            self._features = prompt_embeds
+            try:
+                return super().__call__(prompt=[""] * prompt_embeds.shape[0],
+                                        max_sequence_length=prompt_embeds.shape[1], **kwargs)
+            finally:
+                self._features = None
+
+        def encode_prompt(self, prompt: Any, grid_h: int, grid_w: int, max_sequence_length: int, device: Any) -> Any:
+            import torch
+
+            features = self._features.to(device=device, dtype=torch.float32)
+            b, n = features.shape[:2]
+            ids = self._prepare_ids([n] * b, grid_h, grid_w, n, device)
+            return (torch.cat([features, features.new_zeros(b, grid_h * grid_w, features.shape[2])], dim=1), *ids)
+
+    return CachedTextIdeogram4Pipeline
+
+
+class Ideogram4(BaseFamily):
+    name = "ideogram4"
+    title = "Ideogram 4"
+    denoiser_classes = ("Ideogram4Transformer2DModel",)
+    vae_class = "AutoencoderKLFlux2"
+    pipeline = "Ideogram4Pipeline"
+    text_components = (("tokenizer", "text_encoder"),)
+    text_outputs = ("prompt_embeds", "prompt_embeds_mask")
+    # A pipeline zerotrain builds for the text (or around the trained model) has no unconditional transformer
+    # until validation_pipeline loads it.
+    pipeline_extras: ClassVar[dict[str, Any]] = {UNCONDITIONAL: None}
+    # The pipeline takes up to 2048; Ideogram's structured JSON captions run to a few hundred tokens.
+    default_text_tokens = 512
+    # train_dreambooth_lora_ideogram4.py's defaults: each block's attention projections and feed-forward.
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3")
+    # Ideogram4Pipeline's default guidance_schedule is 7.0 for all but its last 3 of 48 steps (3.0 there);
+    # validation renders with one constant guidance_scale at any step count.
+    default_guidance = 7.0
+    classifier_free_guidance = False
+    default_in_channels = 128
+    timestep_logit_std = LOGIT_STD
+    joint_output = True
+
+    # --- the model and its latents: FLUX.2's VAE and batch norm, folded in Ideogram's order -----------
+
+    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
+        return FLUX2.published_vae(config)
+
+    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
+        return FLUX2.vae_facts(vae_config)
+
+    def vae_downsampling(self, vae: Any) -> int:
+        return FLUX2.vae_downsampling(vae)
+
+    def vae_latent_channels(self, vae: Any) -> int:
+        return FLUX2.vae_latent_channels(vae)
+
+    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
+        """The folded posterior mode as a point mass (std 0): the training script encodes with
+        latent_dist.mode(), as FLUX.2's do."""
+        import torch
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        mode = fold(vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode())
+        return DiagonalGaussianDistribution(torch.cat([mode, torch.zeros_like(mode)], dim=1), deterministic=True)
+
+    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        return FLUX2.normalize_latents(vae, latents)
+
+    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
+        return FLUX2.normalize_std(vae, std)
+
+    # --- conditioning ------------------------------------------------------------------------------
+
+    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
+        """prompt_embeds (B, text_tokens, 53248 for the published model): each caption's rows of the tapped
+        Qwen3-VL states, zero-padded at the end; prompt_embeds_mask (B, text_tokens), 1 on those rows."""
+        from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICATOR
+
+        check_tokens(text_tokens, 1, MAX_TEXT_TOKENS, f"Ideogram4Pipeline's max_sequence_length for {self.title}")
+        for caption in captions:
+            count = chat_tokens(pipeline.tokenizer, caption)
+            if count > text_tokens:
+                shown = caption if len(caption) <= 60 else caption[:57] + "..."
+                raise ZerotrainError(f"the caption '{shown}' is {count} tokens in {self.title}'s chat template, above "
+                                     f"data.text_tokens={text_tokens} (the pipeline does not truncate); raise "
+                                     f"data.text_tokens (up to {MAX_TEXT_TOKENS}) or shorten the caption")
+        features, _, _, indicator = pipeline.encode_prompt(list(captions), grid_h=1, grid_w=1,
+                                                           max_sequence_length=text_tokens, device=device)
+        return compact_rows(features[:, :text_tokens], indicator[:, :text_tokens] == LLM_TOKEN_INDICATOR, text_tokens)
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def sampling_shift(self, spec: ModelSpec, scheduler_config: dict[str, Any], image_seq_len: int) -> float:
+        """e^mu of the pipeline's resolution-aware mean for the pixels of image_seq_len tokens: its sigmas are
+        the logit-normal's at that mean, which is the logit-normal at 0 shifted by e^mu."""
+        from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _resolution_aware_mu
+
+        if image_seq_len < 1:
+            raise ValueError(f"sampling_shift: image_seq_len must be positive, got {image_seq_len}")
+        pixels = image_seq_len * self.pixel_factor(spec) ** 2
+        return math.exp(_resolution_aware_mu(height=pixels, width=1, base_mu=0.0))  # it reads H * W only
+
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        b, _, h, w = x_t.shape
+        text, mask = batch["prompt_embeds"], batch["prompt_embeds_mask"]
+        if text.ndim != 3 or text.shape[0] != b:
+            raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
+        text, valid = trim_rows(text, mask)
+        dtype = objective.model_dtype
+        # The pipeline passes t = 1 - sigma in the transformer's dtype and steps on the negated output.
+        kwargs = joint_inputs(tokens(x_t).to(dtype), text.to(dtype), valid, h, w, (1 - sigma).to(dtype))
+        return kwargs, -tokens(target)
+
+    def target_layout(self, latents: Any) -> Any:
+        return tokens(latents)
+
+    def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
+                       device: Any, dtype: Any) -> dict[str, Any]:
+        """Every caption text_tokens long: the longest sequence a batch can carry."""
+        import torch
+
+        config = spec.config
+        tensor = meta_or_random(device, dtype)
+        grid_h, grid_w = height // spec.vae_scale_factor, width // spec.vae_scale_factor
+        image = tensor(batch, grid_h * grid_w, int(config.get("in_channels", self.default_in_channels)))
+        text = tensor(batch, text_tokens, int(config.get("llm_features_dim", 53248)))
+        valid = torch.ones(batch, text_tokens, dtype=torch.bool, device=device)
+        return joint_inputs(image, text, valid, grid_h, grid_w, example_timestep(tensor, batch, device))
+
+    # --- validation images -------------------------------------------------------------------------
+
+    def classifier_free(self, guidance_scale: float) -> bool:
+        """No negative prompt: the unconditional transformer runs at every guidance."""
+        return False
+
+    def takes_negative(self, spec: ModelSpec, folder: Path) -> bool:
+        return False
+
+    def validation_pipeline(self, spec: ModelSpec, folder: Path, components: dict[str, Any], device: Any) -> Any:
+        """Ideogram4Pipeline (fed cached text) with the folder's unconditional transformer, frozen in the
+        trained model's dtype: on a GPU it stays on the host and diffusers' group offloading moves one block
+        at a time to the device; elsewhere it is loaded where the trained model is."""
+        import torch
+        from diffusers import Ideogram4Transformer2DModel
+
+        model = components[self.denoiser_folder]
+        unconditional = Ideogram4Transformer2DModel.from_pretrained(folder, subfolder=UNCONDITIONAL, torch_dtype=model.dtype)
+        unconditional.requires_grad_(False).eval()
+        device = torch.device(device)
+        if device.type == "cuda":
+            unconditional.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                               offload_type="block_level", num_blocks_per_group=1)
+        else:
+            unconditional.to(device)
+        return cached_text_pipeline()(**{**components, UNCONDITIONAL: unconditional})
+
+    def validation_kwargs(self, embeds: dict[str, Any], negative: dict[str, Any] | None, guidance_scale: float) -> dict[str, Any]:
+        """The prompt's own rows and one guidance for every step (the default 48-step schedule fits 48 steps only)."""
+        text, _ = trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
+        return {"prompt_embeds": text, "guidance_scale": guidance_scale, "guidance_schedule": None}
+
+    # --- export ------------------------------------------------------------------------------------
+
+    def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
+        """The community layout diffusers' Ideogram 4 loader reads: "diffusion_model.layers.N." + the
+        block's module (attention.qkv fused from q, k and v, attention.o, feed_forward.w1/w2/w3,
+        adaln_modulation), kohya's lora_down / lora_up / alpha. A fused qkv has three times the rank, so
+        its alpha is three times too: the same scale on each part."""
+        modules = dict(model.named_modules())
+        out: dict[str, Any] = {}
+        fused: set[str] = set()
+        for module, (down, up) in pairs.items():
+            block, _, rest = module.partition(".")
+            index, _, rest = rest.partition(".")
+            if block != "layers" or not index.isdigit() or (rest not in _COMMUNITY and rest not in _QKV):
+                raise ZerotrainError(f"{self.title} module {module} has no name in the community LoRA layout "
+                                     "(blocks' attention, feed-forward and modulation only); export without --comfyui, "
+                                     "or train only those modules (training.lora.target_modules)")
+            if rest in _COMMUNITY:
+                out.update(kohya_lora(f"diffusion_model.layers.{index}.{_COMMUNITY[rest]}", down, up, alpha))
+            elif index not in fused:
+                fused.add(index)
+                parts = tuple(f"layers.{index}.{part}" for part in _QKV)
+                down, up, rank = fuse_lora(modules, pairs, parts, f"{self.title} layers.{index}.attention.qkv")
+                scale = down.shape[0] // rank
+                out.update(kohya_lora(f"diffusion_model.layers.{index}.attention.qkv", down, up, alpha * scale))
+        return out
+
+    def comfyui_model(self, weights: dict[str, Any]) -> dict[str, Any]:
+        raise ZerotrainError(f"{self.title} has no public single-file layout (diffusers has no converter for it); "
+                             "the full model exports in diffusers' layout: export without --comfyui")
+
+    # --- the tiny model ----------------------------------------------------------------------------
+
+    def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+        """Both transformers from the tiny config (the unconditional one from its own seed), a Qwen3-VL as
+        deep as the pipeline's taps reach (36 layers: it taps them by index) and llm_features_dim / 13 wide,
+        a Qwen tokenizer with a chat template that renders the pipeline's list content, and the published
+        scheduler."""
+        from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS
+        from transformers import Qwen3VLModel
+
+        from zerotrain.models import tiny_parts as tiny
+
+        taps = len(QWEN3_VL_ACTIVATION_LAYERS)
+        width = int(denoiser["llm_features_dim"]) // taps
+        tiny.check_room(width * taps == int(denoiser["llm_features_dim"]), "tiny-ideogram4", denoiser)
+        tokenizer = tiny.qwen2_tokenizer(tiny.QWEN3_PROMPT, tiny.QWEN_SPECIALS, QWEN3_VL_TEXT_TEMPLATE)
+        build = tiny.diffusers_class(denoiser["_class_name"]).from_config
+        return tiny.diffusers_class(self.pipeline), {
+            "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(IDEOGRAM4_SCHEDULER),
+            "text_encoder": tiny.seeded("text_encoder", Qwen3VLModel,
+                                        qwen3_vl_config(tokenizer, width, max(QWEN3_VL_ACTIVATION_LAYERS) + 1)),
+            "tokenizer": tokenizer,
+            "transformer": tiny.seeded("transformer", build, denoiser),
+            UNCONDITIONAL: tiny.seeded(UNCONDITIONAL, build, denoiser),
+        }
+
+
+# Qwen3-VL's chat template cut to text turns: a message's content is a string or a list of parts, whose
+# text parts it renders (Ideogram4Pipeline sends a list); no default system prompt, as Qwen3-VL's.
+QWEN3_VL_TEXT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{%- if 'text' in part %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+FAMILY = Ideogram4()
