@@ -83,6 +83,14 @@ PRESETS: dict[str, list[str]] = {
     "krea-2-raw-full-2xA100-80GB.json": [
         "--model", "krea-2-raw", "--resolution", "1024", "--gpus", "2xA100-80GB", "--mode", "full",
         "--global-batch", "8"],
+    # Ideogram 4 (issue 26): the conditional transformer, the one that trains (the unconditional one is
+    # loaded for validation renders only); its full fine-tune, as Krea 2's, needs two 80 GB cards.
+    "ideogram-4-lora-1xRTX4090-24GB.json": [
+        "--model", "ideogram-4", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
+        "--global-batch", "4"],
+    "ideogram-4-full-2xA100-80GB.json": [
+        "--model", "ideogram-4", "--resolution", "1024", "--gpus", "2xA100-80GB", "--mode", "full",
+        "--global-batch", "8"],
 }
 
 ROOT = Path(__file__).resolve().parents[2] / "deepspeed_configs"
