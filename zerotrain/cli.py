@@ -42,10 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, help="output folder (default: RUN/export)")
     e.add_argument("--ema", action="store_true", help="export the EMA of the weights (runs with ema.enabled)")
     e.add_argument("--comfyui", action="store_true", help="also write a ComfyUI-style LoRA / model file")
+    commands.add_parser("build-ops", help="compile DeepSpeed's ops that training loads (CPU Adam, fused Adam, "
+                                          "async I/O, ...) for this machine now, once, not at a run's first step")
     calibrate.add_parser(commands)
     doctor.add_parser(commands)
     launch.add_parser(commands)
     return parser
+
+
+def run_build_ops() -> int:
+    """One line per op (built, prebuilt, skipped with DeepSpeed's reason, failed); exit 2 when a build
+    that this machine supports failed."""
+    from zerotrain.deepspeed_compat import build_ops
+
+    results = build_ops()
+    for op in results:
+        print(f"{op.name}: {op.status} ({op.detail})")
+    failed = [op.name for op in results if op.status == "failed"]
+    if failed:
+        print(f"zerotrain: error: {', '.join(failed)} did not compile; `ds_report` shows what DeepSpeed needs, and "
+              "a run that uses them would fail the same way", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -154,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),
                     "export": lambda: run_export(args), "doctor": lambda: doctor.main(args),
-                    "launch": lambda: launch.main(args), "calibrate": lambda: calibrate.main(args)}
+                    "launch": lambda: launch.main(args), "calibrate": lambda: calibrate.main(args),
+                    "build-ops": run_build_ops}
         return commands[args.command]()
     except ZerotrainError as err:
         if args.debug:

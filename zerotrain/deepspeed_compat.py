@@ -620,6 +620,61 @@ def op_report() -> dict[str, Any]:
                 "ninja": is_ninja_available()}
 
 
+# DeepSpeed's JIT-compiled ops that zerotrain's layouts load, by op builder class (each accelerator maps
+# the class to its own builder, or to none): AdamW with the optimizer offloaded (cpu_adam) or on the
+# accelerator (fused_adam), NVMe offload (async_io), and on the CPU accelerator its shared-memory
+# collectives (init_distributed) and pinned host buffers (offload). Async I/O, the longest build by far
+# (about 8 minutes on 2 cores), last.
+TRAINING_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
+
+
+@dataclass(frozen=True)
+class OpBuild:
+    name: str
+    status: str
+    """built, prebuilt (installed with DeepSpeed), skipped (cannot be built here) or failed."""
+    detail: str
+
+
+def build_ops(builders: tuple[str, ...] = TRAINING_OPS) -> list[OpBuild]:
+    """Compile the ops `builders` names for this machine's DeepSpeed accelerator now, into torch's
+    extension cache (TORCH_EXTENSIONS_DIR), as their first use would (builder.load(), DeepSpeed's
+    JIT path): a run then loads them instead of stalling its first step on a compiler, a stall that on
+    many nodes can outlast a collective's timeout. Ops DeepSpeed was installed with are left alone;
+    ops this machine cannot build (no libaio, no nvcc) are skipped with DeepSpeed's reason."""
+    import io
+    import time
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    accelerator = get_accelerator()
+    out: list[OpBuild] = []
+    for class_name in builders:
+        builder = accelerator.create_op_builder(class_name)
+        if builder is None or builder.name == "deepspeed_not_implemented":
+            continue
+        if installed_ops.get(builder.name):
+            out.append(OpBuild(builder.name, "prebuilt", "installed with DeepSpeed"))
+            continue
+        probe = io.StringIO()
+        with contextlib.redirect_stdout(probe):  # DeepSpeed's compatibility probes print their reasons
+            compatible = builder.is_compatible(verbose=True)
+        if not compatible:
+            reason = " ".join(probe.getvalue().split())[:200] or "its compatibility check failed"
+            out.append(OpBuild(builder.name, "skipped", reason))
+            continue
+        start = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                builder.load(verbose=False)
+        except Exception as err:  # a compiler error: DeepSpeed raises whatever the build raised
+            out.append(OpBuild(builder.name, "failed", " ".join(str(err).split())[:300]))
+            continue
+        out.append(OpBuild(builder.name, "built", f"{time.perf_counter() - start:.0f} s"))
+    return out
+
+
 # ---- dropping a step that ran out of memory ----
 
 def abandon_step(engine: Any, micro_steps: int) -> None:

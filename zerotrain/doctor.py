@@ -401,7 +401,8 @@ def check_deepspeed(ctx: Context) -> Finding:
             problems.append(Finding("fail", f"the plan needs {name} ({why}): not prebuilt, and compiling it "
                                             "needs ninja", "pip install ninja"))
         else:
-            notes.append(f"the plan's {name} ({why}) is JIT-compiled on first use (a minute or two, once)")
+            notes.append(f"the plan's {name} ({why}) is JIT-compiled on first use (a minute or two, once; "
+                         "`zerotrain build-ops` compiles it now)")
     if not needed:
         notes.append("no plan here, so no op is required yet" if isinstance(plan, Missing)
                      else "nothing fits, so no op is required yet")

@@ -135,25 +135,16 @@ def run_train(output_dir: Path, overrides: list[str], log_dir: Path, name: str,
     return TrainResult(output_dir, returncodes, logs, seconds)
 
 
-# DeepSpeed's CPU ops, JIT-compiled on first use into the torch extensions folder.
-CPU_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder")
-
-
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_cpu_ops_built() -> None:
-    """Build DeepSpeed's CPU ops once, in one process, before any test starts ranks. Left to the
-    ranks, they build together behind one lock file, and a rank a test kills while it builds leaves
-    that lock behind, so every later process that loads the op waits on it: in a fresh CI clone,
-    fused_adam's build never finished and a calibrate run waited until its timeout. An op that
-    cannot build here is left to the tests (those with offload skip, saying why)."""
-    script = ("from deepspeed.accelerator import get_accelerator\n"
-              f"for name in {CPU_OPS!r}:\n"
-              "    try:\n"
-              "        get_accelerator().create_op_builder(name).load()\n"
-              "    except Exception as err:\n"
-              "        print(name, 'does not build:', err)\n")
-    subprocess.run([sys.executable, "-c", script], env=process_env(), check=False, capture_output=True,
-                   timeout=TIMEOUT_S)
+    """Build DeepSpeed's CPU ops once, in one process, before any test starts ranks (`zerotrain
+    build-ops`, which .ci/run has run already: then this finds them built). Left to the ranks, they
+    build together behind one lock file, and a rank a test kills while it builds leaves that lock
+    behind, so every later process that loads the op waits on it: in a fresh CI clone, fused_adam's
+    build never finished and a calibrate run waited until its timeout. An op that cannot build here
+    is left to the tests (those with offload skip, saying why)."""
+    subprocess.run([sys.executable, "-m", "zerotrain.cli", "build-ops"], env=process_env(), check=False,
+                   capture_output=True, timeout=TIMEOUT_S)
     forked.start(process_env())
 
 

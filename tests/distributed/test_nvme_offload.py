@@ -7,7 +7,7 @@ write the optimizer state (and the parameter partitions) as files under the NVMe
 weights and the loss move.
 
 The swappers need DeepSpeed's async I/O op, which JIT-compiles against libaio (libaio-dev; .ci/run
-installs it, and tests/conftest.py builds the op in the background while the unit tests run: ~12 CPU
+installs it, and `zerotrain build-ops` in .ci/run, or tests/conftest.py in the background, builds the op: ~14 CPU
 minutes). Where it cannot build, the test skips with the compiler's reason.
 
 Run by the test as `python -m tests.distributed.test_nvme_offload NVME_DIR OUT_DIR` on each rank."""

@@ -112,3 +112,27 @@ def test_the_check_sees_a_private_reach(tmp_path):
     (tmp_path / "deepspeed_compat.py").write_text("def f(e):\n    return e.checkpoint_engine\n")
     assert private_reaches(tmp_path) == ["ema.py:2 _hp_mapping",
                                          "save.py:1 imports deepspeed.runtime.zero.stage3"]
+
+
+def test_build_ops_compiles_what_training_loads_into_torchs_extension_cache():
+    """`zerotrain build-ops` on this machine's CPU accelerator: every op training loads is compiled (or
+    skipped with DeepSpeed's reason: async_io without libaio) into the extension cache a run loads from.
+    Where .ci/run built them already, this finds them built and takes seconds."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "zerotrain.cli", "build-ops"], capture_output=True, text=True, env=env,
+                          timeout=1200, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert set(lines) == {"cpu_adam", "fused_adam", "async_io", "deepspeed_shm_comm", "pin_memory"}, done.stdout
+    for name, line in lines.items():
+        if line.startswith("skipped"):
+            assert name == "async_io", line  # libaio missing: the NVMe test skips too
+            continue
+        assert line.startswith("built ("), line
+        assert list(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so")), name
