@@ -333,6 +333,12 @@ class Family(Protocol):
         family whose pipeline needs more (a frozen second denoiser) loads it here."""
         ...
 
+    def validation_params(self, trained_base_params: int) -> int:
+        """Parameters that rendering validation images loads beside the trained model (a second denoiser),
+        given the trained model's own (its adapters left out): each rank holds them in host memory
+        while it renders, and the planner counts them; 0 by default."""
+        ...
+
     def validation_kwargs(
         self, embeds: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None, guidance_scale: float
     ) -> dict[str, Any]:

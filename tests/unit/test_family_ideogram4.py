@@ -138,6 +138,25 @@ def test_a_bare_published_config_json_plans_at_1024_and_lora_counts_the_scripts_
     assert facts.total_params == PARAMETERS["ideogram-4"] + 34 * per_block
 
 
+def test_validation_counts_the_unconditional_transformer_each_rank_loads_into_host_memory(tmp_path, monkeypatch, capsys):
+    """Training loads one transformer; a run with validation prompts also loads the unconditional one on
+    every rank while it renders (host memory; group-offloaded to the GPU a block at a time): the plan's
+    host RAM per node has a validation phase of the offload's buffers plus 8 bf16 copies of it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def chosen(*extra: str) -> dict:
+        assert main(["plan", "--model", "ideogram-4", "--resolution", "1024", "--gpus", "8xH100-80GB", "--mode", "lora",
+                     "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["plan"]["chosen"]["memory"]
+
+    plain = chosen()
+    validating = chosen("--set", "validation.prompts=['a cat']")
+    assert "validation" not in plain["host_terms"]
+    terms = validating["host_terms"]
+    assert terms["validation"] == terms["offload"] + 8 * 2 * PARAMETERS["ideogram-4"]
+    assert validating["host_per_node"] == terms["validation"] > plain["host_per_node"]
+
+
 # --- the tiny model and the cache ---------------------------------------------------------------------
 
 

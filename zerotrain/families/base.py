@@ -192,6 +192,9 @@ class BaseFamily:
 
         return getattr(diffusers, self.pipeline_name(spec))(**components)
 
+    def validation_params(self, trained_base_params: int) -> int:
+        return 0
+
     def validation_kwargs(
         self, embeds: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None, guidance_scale: float
     ) -> dict[str, Any]:

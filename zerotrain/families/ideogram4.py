@@ -305,6 +305,11 @@ class Ideogram4(BaseFamily):
             unconditional.to(device)
         return cached_text_pipeline()(**{**components, UNCONDITIONAL: unconditional})
 
+    def validation_params(self, trained_base_params: int) -> int:
+        """The unconditional transformer: the trained one's class and config (the pipeline requires the
+        same in_channels and llm_features_dim, and the published pair is one architecture)."""
+        return trained_base_params
+
     def validation_kwargs(self, embeds: dict[str, Any], negative: dict[str, Any] | None, guidance_scale: float) -> dict[str, Any]:
         """The prompt's own rows and one guidance for every step (the default 48-step schedule fits 48 steps only)."""
         text, _ = trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])

@@ -103,6 +103,9 @@ class Sizes:
     offload_activation_bytes: tuple[int, ...] = ()
     """Per sample, each checkpoint input activation offload moves to the host
     (ModelFacts.offload_input_bytes)."""
+    validation_host_bytes: int = 0
+    """Per rank, the weights that rendering validation images loads into host memory beside the trained
+    model (Family.validation_params: Ideogram 4's unconditional transformer); 0 without validation."""
 
 
 @dataclass(frozen=True)
@@ -529,11 +532,16 @@ def load_bytes(layout: Layout, s: Sizes) -> int:
 
 
 def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, int]:
-    """Host RAM per node, by phase: loading (load_bytes) and offload (the node's ranks' offload
-    buffers, each pinned allocation as torch's host allocator rounds it)."""
+    """Host RAM per node, by phase: loading (load_bytes), offload (the node's ranks' offload buffers,
+    each pinned allocation as torch's host allocator rounds it) and, where rendering validation images
+    loads more weights into host memory, validation (the offload's buffers stay, and every rank of the
+    node holds its own copy of those weights while it renders)."""
     b = b or Buffers()
-    offload = sum(host_buffers(layout, s, b).values())
-    return {"model load": int(load_bytes(layout, s)), "offload": int(offload * b.host_offload_factor)}
+    offload = int(sum(host_buffers(layout, s, b).values()) * b.host_offload_factor)
+    terms = {"model load": int(load_bytes(layout, s)), "offload": offload}
+    if s.validation_host_bytes:
+        terms["validation"] = offload + s.gpus_per_node * s.validation_host_bytes
+    return terms
 
 
 def host_buffers(layout: Layout, s: Sizes, b: Buffers) -> dict[str, int]:

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerotrain import optimizers
-from zerotrain.config.sections import Loading, Quantization, RunConfig
+from zerotrain import families, optimizers
+from zerotrain.config.sections import Loading, Mode, Quantization, RunConfig
 from zerotrain.deepspeed_compat import sharing_in_force
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
@@ -136,7 +136,17 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         all_trainable=facts.trainable_params == facts.total_params,
         offload_activation_bytes=tuple(facts.offload_input_bytes),
         load_whole=run.model.load is Loading.whole or run.training.lora.use_dora,
+        validation_host_bytes=validation_host_bytes(facts, run),
     )
+
+
+def validation_host_bytes(facts: ModelFacts, run: RunConfig) -> int:
+    """Per rank, the bf16 weights rendering run.validation's images loads beside the trained model
+    (Family.validation_params); 0 without validation prompts."""
+    if not run.validation.prompts:
+        return 0
+    base = facts.total_params - (facts.trainable_params if facts.mode == Mode.lora.value else 0)
+    return LP * families.by_name(facts.family).validation_params(base)
 
 
 def layouts(run: RunConfig, hw: HardwareFacts, per_rank_batch: int) -> list[Layout]:
