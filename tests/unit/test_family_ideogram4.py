@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,16 +20,15 @@ from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _logit_normal_sigma
 from peft import LoraConfig, get_peft_model_state_dict
 
 from tests.unit.test_sampling import check_image, make_validator
+from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
 from zerotrain.cli import main
-from zerotrain.config import ModelConfig, RunConfig
+from zerotrain.config import RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
 from zerotrain.families.ideogram4 import FAMILY, IDEOGRAM4_SCHEDULER, QWEN3_VL_TEXT_TEMPLATE, fold
-from zerotrain.models.catalog import resolve_model
-from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
-from zerotrain.models.tiny import build_tiny_pipeline
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
 from zerotrain.models.tiny_parts import QWEN3_PROMPT
 from zerotrain.objectives import flow_interpolate, flow_target, make_objective
 from zerotrain.planner.measure import measure_model
@@ -43,36 +41,7 @@ SIDE = 64
 GRID = SIDE // 4  # 16x16 tokens
 
 
-def spec_of(name: str | Path):
-    return resolve_model(ModelConfig(name_or_path=str(name)))
-
-
-def gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    build_tiny_pipeline("tiny-ideogram4", root / "tiny-ideogram4")
-    return root
-
-
-@pytest.fixture(scope="module")
-def folder(root) -> Path:
-    return root / "tiny-ideogram4"
-
-
-@pytest.fixture(scope="module")
-def pipeline(folder):
-    pipe = Ideogram4Pipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture(scope="module")
-def encoders(folder):
-    return load_encoders(spec_of(folder), folder)
+root, folder, pipeline, encoders = tiny_fixtures("tiny-ideogram4", "Ideogram4Pipeline")
 
 
 def cached_batch(encoders, n: int = 2) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,16 +22,15 @@ from peft import LoraConfig, get_peft_model_state_dict
 from PIL import Image
 
 from tests.unit.test_sampling import check_image, make_validator
+from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
 from zerotrain.cli import main
-from zerotrain.config import ModelConfig, RunConfig
+from zerotrain.config import RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
 from zerotrain.families.base import compact_rows, trim_rows
 from zerotrain.families.krea2 import FAMILY, KREA2_SCHEDULER
-from zerotrain.models.catalog import resolve_model
-from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
-from zerotrain.models.tiny import build_tiny_pipeline
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
 from zerotrain.objectives import flow_interpolate, flow_target, make_objective
 from zerotrain.planner.measure import measure_model
 
@@ -43,36 +41,7 @@ TEXT_TOKENS = 40
 SIDE = 64
 
 
-def spec_of(name: str | Path):
-    return resolve_model(ModelConfig(name_or_path=str(name)))
-
-
-def gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    build_tiny_pipeline("tiny-krea2", root / "tiny-krea2")
-    return root
-
-
-@pytest.fixture(scope="module")
-def folder(root) -> Path:
-    return root / "tiny-krea2"
-
-
-@pytest.fixture(scope="module")
-def pipeline(folder):
-    pipe = Krea2Pipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture(scope="module")
-def encoders(folder):
-    return load_encoders(spec_of(folder), folder)
+root, folder, pipeline, encoders = tiny_fixtures("tiny-krea2", "Krea2Pipeline")
 
 
 def cached_batch(encoders, side: int = SIDE // 8) -> dict[str, torch.Tensor]:

@@ -1,0 +1,58 @@
+"""What the family unit tests share: the resolved spec of a model name or path, seeded generators, and
+the module-scoped fixtures of one tiny model (tiny_fixtures): its folder, built once as
+ensure_tiny_pipeline lays it out (root/<name>), its pipeline loaded with from_pretrained, and zerotrain's
+encoders for it (load_encoders)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from zerotrain.config import ModelConfig
+from zerotrain.models.catalog import resolve_model
+from zerotrain.protocols import ModelSpec
+
+
+def spec_of(name: str | Path) -> ModelSpec:
+    return resolve_model(ModelConfig(name_or_path=str(name)))
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def tiny_fixtures(name: str, pipeline_class: str) -> tuple[Any, Any, Any, Any]:
+    """Module fixtures root, folder, pipeline and encoders for the tiny catalog model `name`, whose
+    pipeline is the diffusers class `pipeline_class`: assign them at a test module's top level,
+    `root, folder, pipeline, encoders = tiny_fixtures(...)`."""
+
+    @pytest.fixture(scope="module", name="root")
+    def root(tmp_path_factory) -> Path:
+        from zerotrain.models.tiny import build_tiny_pipeline
+
+        built = tmp_path_factory.mktemp("models")
+        build_tiny_pipeline(name, built / name)
+        return built
+
+    @pytest.fixture(scope="module", name="folder")
+    def folder(root) -> Path:
+        return root / name
+
+    @pytest.fixture(scope="module", name="pipeline")
+    def pipeline(folder):
+        import diffusers
+
+        pipe = getattr(diffusers, pipeline_class).from_pretrained(folder)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @pytest.fixture(scope="module", name="encoders")
+    def encoders(folder):
+        from zerotrain.models.conditioning import load_encoders
+
+        return load_encoders(spec_of(folder), folder)
+
+    return root, folder, pipeline, encoders
