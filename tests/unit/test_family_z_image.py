@@ -28,8 +28,9 @@ from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sig
 from PIL import Image
 
 from tests.unit.test_sampling import check_image, make_validator
+from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
 from zerotrain.cli import main
-from zerotrain.config import ModelConfig, RunConfig
+from zerotrain.config import RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
@@ -42,8 +43,7 @@ from zerotrain.families.z_image import (
     model_time,
     pad_captions,
 )
-from zerotrain.models.catalog import resolve_model
-from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.models.tiny_parts import QWEN3_PROMPT
 from zerotrain.objectives import (
@@ -55,7 +55,6 @@ from zerotrain.objectives import (
 )
 from zerotrain.planner import trace
 from zerotrain.planner.measure import measure_model
-from zerotrain.protocols import ModelSpec
 
 # sum(p.numel() for p in model.parameters()) on the meta device (diffusers 0.42). The published count
 # is the class default's: axes_lens, the only published field that differs, sizes a RoPE table, not
@@ -66,37 +65,7 @@ TEXT_TOKENS = 48
 SIDE = 64
 
 
-def spec_of(name: str | Path) -> ModelSpec:
-    return resolve_model(ModelConfig(name_or_path=str(name)))
-
-
-def gen(seed: int = 0) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    """Where the tiny folder is built, as ensure_tiny_pipeline lays it out (root/tiny-z-image)."""
-    root = tmp_path_factory.mktemp("models")
-    build_tiny_pipeline("tiny-z-image", root / "tiny-z-image")
-    return root
-
-
-@pytest.fixture(scope="module")
-def folder(root) -> Path:
-    return root / "tiny-z-image"
-
-
-@pytest.fixture(scope="module")
-def pipeline(folder):
-    pipe = ZImagePipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-@pytest.fixture(scope="module")
-def encoders(folder):
-    return load_encoders(spec_of(folder), folder)
+root, folder, pipeline, encoders = tiny_fixtures("tiny-z-image", "ZImagePipeline")
 
 
 def cached_batch(encoders, side: int = SIDE // 2, std: float = 0.5) -> dict[str, torch.Tensor]:
