@@ -20,8 +20,7 @@ from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _logit_normal_sigma
 from peft import LoraConfig, get_peft_model_state_dict
 
 from tests.unit.test_sampling import check_image, make_validator
-from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
-from zerotrain.cli import main
+from tests.unit.tiny_family import bare_config, gen, plan_json, spec_of, tiny_fixtures
 from zerotrain.config import RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
@@ -78,9 +77,7 @@ def test_the_published_config_is_the_class_defaults():
 
 def test_plans_a_lora_at_1024_on_a_24gb_card_with_the_shipped_facts(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert main(["plan", "--model", "ideogram-4", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+    assert plan_json(capsys, "ideogram-4", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
     run = RunConfig(model={"name_or_path": "ideogram-4"}, training={"mode": "lora"}, data={"resolution": 1024})
     facts = measure_model(spec_of("ideogram-4"), run)
     assert facts.cached, "the plan's: shipped with zerotrain"
@@ -91,12 +88,8 @@ def test_plans_a_lora_at_1024_on_a_24gb_card_with_the_shipped_facts(tmp_path, mo
 
 def test_a_bare_published_config_json_plans_at_1024_and_lora_counts_the_scripts_targets(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = tmp_path / "transformer" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(spec_of("ideogram-4").config))
-    assert main(["plan", "--model", str(path), "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+    path = bare_config(tmp_path, spec_of("ideogram-4").config)
+    assert plan_json(capsys, path, "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
     run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
                     data={"resolution": 1024})
     facts = measure_model(spec_of(path), run)
@@ -114,9 +107,8 @@ def test_validation_counts_the_unconditional_transformer_each_rank_loads_into_ho
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
     def chosen(*extra: str) -> dict:
-        assert main(["plan", "--model", "ideogram-4", "--resolution", "1024", "--gpus", "8xH100-80GB", "--mode", "lora",
-                     "--json", *extra]) == 0
-        return json.loads(capsys.readouterr().out)["plan"]["chosen"]["memory"]
+        return plan_json(capsys, "ideogram-4", "--resolution", "1024", "--gpus", "8xH100-80GB", "--mode", "lora",
+                         *extra)["chosen"]["memory"]
 
     plain = chosen()
     validating = chosen("--set", "validation.prompts=['a cat']")

@@ -22,8 +22,7 @@ from peft import LoraConfig, get_peft_model_state_dict
 from PIL import Image
 
 from tests.unit.test_sampling import check_image, make_validator
-from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
-from zerotrain.cli import main
+from tests.unit.tiny_family import bare_config, gen, plan_json, spec_of, tiny_fixtures
 from zerotrain.config import RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.export import comfyui_lora_state_dict
@@ -78,9 +77,7 @@ def test_published_configs_are_the_class_defaults():
 
 def test_plans_a_lora_at_1024_on_a_24gb_card_with_the_shipped_facts(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert main(["plan", "--model", "krea-2-raw", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+    assert plan_json(capsys, "krea-2-raw", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
     run = RunConfig(model={"name_or_path": "krea-2-raw"}, training={"mode": "lora"}, data={"resolution": 1024})
     facts = measure_model(spec_of("krea-2-raw"), run)
     assert facts.cached, "the plan's: shipped with zerotrain"
@@ -90,12 +87,8 @@ def test_plans_a_lora_at_1024_on_a_24gb_card_with_the_shipped_facts(tmp_path, mo
 
 def test_a_bare_config_json_plans_and_lora_counts_the_scripts_targets(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = tmp_path / "transformer" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(spec_of("tiny-krea2").config))
-    assert main(["plan", "--model", str(path), "--resolution", "256", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+    path = bare_config(tmp_path, spec_of("tiny-krea2").config)
+    assert plan_json(capsys, path, "--resolution", "256", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
     run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
                     data={"resolution": 256})
     facts = measure_model(spec_of(path), run)

@@ -28,8 +28,7 @@ from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sig
 from PIL import Image
 
 from tests.unit.test_sampling import check_image, make_validator
-from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
-from zerotrain.cli import main
+from tests.unit.tiny_family import bare_config, gen, plan_json, spec_of, tiny_fixtures
 from zerotrain.config import RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
@@ -111,8 +110,7 @@ def test_published_configs_differ_from_the_class_only_in_axes_lens(tmp_path):
 
 def test_plans_at_1024_on_8_h100s_with_the_measured_facts(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert main(["plan", "--model", "z-image", "--resolution", "1024", "--gpus", "8xH100-80GB", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+    assert plan_json(capsys, "z-image", "--resolution", "1024", "--gpus", "8xH100-80GB")["chosen"]["fits"] is True
     facts = measure_model(spec_of("z-image"), RunConfig(model={"name_or_path": "z-image"}, data={"resolution": 1024}))
     assert facts.cached, "the plan's: shipped with zerotrain"
     assert (facts.image_tokens, facts.text_tokens) == (4096, 512)  # (1024 / 16)^2; ZImagePipeline's 512
@@ -121,12 +119,8 @@ def test_plans_at_1024_on_8_h100s_with_the_measured_facts(tmp_path, monkeypatch,
 
 def test_a_bare_config_json_plans_and_lora_counts_every_attention_projection(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = tmp_path / "transformer" / "config.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps(spec_of("tiny-z-image").config))
-    assert main(["plan", "--model", str(path), "--resolution", "256", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["plan"]["chosen"]["fits"] is True
+    path = bare_config(tmp_path, spec_of("tiny-z-image").config)
+    assert plan_json(capsys, path, "--resolution", "256", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
     run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
                     data={"resolution": 256})
     facts = measure_model(spec_of(path), run)

@@ -1,10 +1,12 @@
-"""What the family unit tests share: the resolved spec of a model name or path, seeded generators, and
-the module-scoped fixtures of one tiny model (tiny_fixtures): its folder, built once as
-ensure_tiny_pipeline lays it out (root/<name>), its pipeline loaded with from_pretrained, and zerotrain's
-encoders for it (load_encoders)."""
+"""What the family unit tests share: the resolved spec of a model name or path, seeded generators, a
+plan through the CLI (planned) of a catalog name or a bare config.json (bare_config), and the
+module-scoped fixtures of one tiny model (tiny_fixtures): its folder, built once as ensure_tiny_pipeline
+lays it out (root/<name>), its pipeline loaded with from_pretrained, and zerotrain's encoders for it
+(load_encoders)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,22 @@ def spec_of(name: str | Path) -> ModelSpec:
 
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def plan_json(capsys: Any, model: str | Path, *args: str) -> dict[str, Any]:
+    """The plan `zerotrain plan --model MODEL ARGS --json` prints (its exit code 0 asserted)."""
+    from zerotrain.cli import main
+
+    assert main(["plan", "--model", str(model), *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["plan"]
+
+
+def bare_config(folder: Path, config: dict[str, Any]) -> Path:
+    """A denoiser config.json alone, as folder/transformer/config.json."""
+    path = Path(folder) / "transformer" / "config.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(config))
+    return path
 
 
 def tiny_fixtures(name: str, pipeline_class: str) -> tuple[Any, Any, Any, Any]:
