@@ -565,15 +565,17 @@ def _hub_finding(ctx: Context, repo: str, subfolder: str | None,
     called only when the download is still to come."""
     from huggingface_hub import try_to_load_from_cache
 
+    from zerotrain.models.catalog import PIPELINE_INDEXES, pipeline_index
+
     cache, offline, revision = _hub_cache_dir(ctx.environ), _hub_offline(ctx.environ), ctx.run.model.revision
     where = f"hub repo {repo}" + (f"@{revision}" if revision else "")
     snapshot = None
-    for name in ("model_index.json", "config.json"):
+    for name in (*PIPELINE_INDEXES, "config.json"):
         found = try_to_load_from_cache(repo, name, cache_dir=cache, revision=revision)
         if isinstance(found, str):
             snapshot = Path(found).parent
             break
-    folders = [f for f in (subfolder, "vae") if f] if snapshot and (snapshot / "model_index.json").is_file() else [""]
+    folders = [f for f in (subfolder, "vae") if f] if snapshot and pipeline_index(snapshot) else [""]
     complete = snapshot is not None and all(_has_weights(snapshot / f) for f in folders)
     if complete:
         return Finding("ok", f"{where}: weights ({', '.join(f or 'denoiser' for f in folders)}) in the local hub "

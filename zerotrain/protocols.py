@@ -204,6 +204,22 @@ class Family(Protocol):
 
     # --- conditioning ------------------------------------------------------------------------------
 
+    def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: torch.dtype, skipped: dict[str, None]) -> Any:
+        """The family's pipeline loaded from a model folder with its VAE, tokenizers and text encoders and
+        without the components named in `skipped` (the denoiser, the scheduler): pipeline_class.from_pretrained
+        by default."""
+        ...
+
+    def text_pipeline(self, pipeline_class: Any, components: dict[str, Any]) -> Any:
+        """The family's pipeline around loaded tokenizers and text encoders (the other components None),
+        whose encode_prompt is the reference: pipeline_class(**components) by default."""
+        ...
+
+    def scheduler_config(self, folder: Path) -> dict[str, Any]:
+        """The scheduler config the pipeline samples with: the model folder's scheduler/scheduler_config.json
+        by default."""
+        ...
+
     def encode_prompt(
         self, pipeline: Any, captions: list[str], text_tokens: int, device: torch.device
     ) -> dict[str, torch.Tensor]:

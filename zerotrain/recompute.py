@@ -18,17 +18,40 @@ import torch
 import torch.utils.checkpoint
 
 
-def checkpoint_units(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The model's checkpoint units by name ("transformer_blocks.3", "down_blocks.1", "mid_block"),
-    in model order: items of top-level ModuleLists that are transformer blocks or checkpoint
-    themselves (a UNet's blocks carry gradient_checkpointing), and other top-level children that do."""
-    units: dict[str, torch.nn.Module] = {}
+def block_lists(model: torch.nn.Module) -> dict[str, torch.nn.ModuleList]:
+    """The model's lists of blocks by name, in model order: its top-level ModuleLists, and the ModuleLists of
+    its top-level ModuleDicts by dotted name (FLUX.3's per-mode blocks: "mode_blocks.image")."""
+    lists: dict[str, torch.nn.ModuleList] = {}
     for name, child in model.named_children():
         if isinstance(child, torch.nn.ModuleList):
-            for index, block in enumerate(child):
-                if type(block).__name__.endswith("TransformerBlock") or hasattr(block, "gradient_checkpointing"):
-                    units[f"{name}.{index}"] = block
-        elif hasattr(child, "gradient_checkpointing"):
+            lists[name] = child
+        elif isinstance(child, torch.nn.ModuleDict):
+            lists.update({f"{name}.{key}": value for key, value in child.items() if isinstance(value, torch.nn.ModuleList)})
+    return lists
+
+
+def set_block_list(model: torch.nn.Module, name: str, blocks: torch.nn.ModuleList) -> None:
+    """Replace the block list `name` (block_lists' naming) of the model."""
+    parent, _, key = name.rpartition(".")
+    if parent:
+        getattr(model, parent)[key] = blocks
+    else:
+        setattr(model, name, blocks)
+
+
+def checkpoint_units(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's checkpoint units by name ("transformer_blocks.3", "mode_blocks.image.0", "down_blocks.1",
+    "mid_block"), in model order: items of its block lists (block_lists) that are transformer blocks or
+    checkpoint themselves (a UNet's blocks carry gradient_checkpointing), and other top-level children that do."""
+    units: dict[str, torch.nn.Module] = {}
+    lists = block_lists(model)
+    for name, child in model.named_children():
+        for prefix, blocks in lists.items():
+            if prefix == name or prefix.startswith(f"{name}."):
+                for index, block in enumerate(blocks):
+                    if type(block).__name__.endswith("TransformerBlock") or hasattr(block, "gradient_checkpointing"):
+                        units[f"{prefix}.{index}"] = block
+        if not isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)) and hasattr(child, "gradient_checkpointing"):
             units[name] = child
     return units
 

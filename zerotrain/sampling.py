@@ -123,7 +123,7 @@ class Validator:
         self.negative_embeds: dict[str, torch.Tensor] = {}
         if self.jobs:
             self._encode(run.data.text_tokens or self.family.default_text_tokens, encode_dtype(self.device))
-            self.scheduler = _load_scheduler(self.folder)
+            self.scheduler = load_scheduler(self.family.scheduler_config(self.folder))
 
     def _encode(self, text_tokens: int, dtype: torch.dtype) -> None:
         """Text embeddings of every prompt (one at a time, as the pipeline encodes a batch of one)
@@ -288,18 +288,16 @@ def make_grid(images: list[Any]) -> Any:
     return grid
 
 
-def _load_scheduler(folder: Path) -> Any:
-    """The scheduler the model folder names in scheduler/scheduler_config.json (FlowMatchEuler-
-    DiscreteScheduler for Flux and SD3, EulerDiscreteScheduler for SDXL's published repo)."""
+def load_scheduler(config: dict[str, Any]) -> Any:
+    """The scheduler a config names (FlowMatchEulerDiscreteScheduler for Flux and SD3,
+    EulerDiscreteScheduler for SDXL's published repo), from that config (Family.scheduler_config)."""
     import diffusers
 
-    config = folder / "scheduler" / "scheduler_config.json"
-    try:
-        name = json.loads(config.read_text())["_class_name"]
-        return getattr(diffusers, name).from_pretrained(folder, subfolder="scheduler")
-    except (OSError, KeyError, ValueError, AttributeError) as err:
-        raise ZerotrainError(f"validation: cannot load the scheduler from {config} "
-                             f"({' '.join(str(err).split())[:300]})") from err
+    name = config.get("_class_name")
+    scheduler = getattr(diffusers, str(name), None)
+    if scheduler is None or not hasattr(scheduler, "from_config"):
+        raise ZerotrainError(f"validation: the scheduler config names '{name}', which is no diffusers scheduler")
+    return scheduler.from_config(config)
 
 
 def _to_host(embeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

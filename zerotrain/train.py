@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from zerotrain import families
 from zerotrain.checkpoint import find, make_universal, needs_universal, resume_stage, usable
 from zerotrain.config import RunConfig, load_config
 from zerotrain.distributed import (
@@ -251,7 +252,7 @@ def build_trainer(planned: RunPlan, folder: Path, topo: Topology, device: torch.
     from zerotrain.objectives import make_objective
 
     run, spec, layout = planned.run, planned.spec, planned.layout
-    scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+    scheduler_config = families.of(spec).scheduler_config(folder)
     objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
     torch.manual_seed(run.training.seed)  # LoRA's initial weights come from torch's global generator
     model, done = loading.load(spec, folder, run, topo, device, planned.config)

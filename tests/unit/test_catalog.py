@@ -61,6 +61,11 @@ PARAMETERS = {
     # Ideogram 4's conditional transformer (the class defaults); the pipeline's unconditional one is a second.
     "ideogram-4": 9_279_288_448,
     "tiny-ideogram4": 36_368,
+    # FLUX.3 [klein] Base is the class defaults; [klein] is it distilled into a flow map, which adds the
+    # target timestep's embedder (256 -> 3072 -> 3072).
+    "flux3-klein-base": 5_538_458_368,
+    "flux3-klein": 5_548_681_984,
+    "tiny-flux3": 94_880,
 }
 TINY = ["tiny-flux", "tiny-sd3", "tiny-sdxl"]
 
@@ -253,8 +258,10 @@ def test_unknown_name_lists_catalog_and_other_forms():
     message = one_line_error("flux-pro", "no catalog entry")
     assert all(name in message for name in catalog_names())
     assert "config.json" in message and "hub id" in message
-    # sd1.5 and the Qwen-Image-Edit models (their processor needs torchvision) are plan-only.
-    assert "sd1.5 (plan only)" in message and message.count("(plan only)") == 4
+    # sd1.5, the Qwen-Image-Edit models (their processor needs torchvision) and the flow-map FLUX.3 [klein]
+    # are plan-only.
+    assert "sd1.5 (plan only)" in message and "flux3-klein (plan only)" in message
+    assert message.count("(plan only)") == 5
 
 
 def test_sd15_is_plan_only_and_cache_and_training_refuse_it_in_one_line(tmp_path, capsys):

@@ -110,6 +110,24 @@ class BaseFamily:
 
     # --- conditioning ------------------------------------------------------------------------------
 
+    def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: torch.dtype, skipped: dict[str, None]) -> Any:
+        return pipeline_class.from_pretrained(folder, dtype=dtype, **skipped)
+
+    def text_pipeline(self, pipeline_class: Any, components: dict[str, Any]) -> Any:
+        return pipeline_class(**components)
+
+    def scheduler_config(self, folder: Path) -> dict[str, Any]:
+        path = Path(folder) / "scheduler" / "scheduler_config.json"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ZerotrainError(f"{path}: cannot read the {self.title} model's scheduler config "
+                                 f"({' '.join(str(err).split())[:300]}); point model.name_or_path to a complete "
+                                 "diffusers folder") from err
+        if not isinstance(config, dict) or "_class_name" not in config:
+            raise ZerotrainError(f"{path}: not a diffusers scheduler config (no _class_name)")
+        return config
+
     def vae_downsampling(self, vae: Any) -> int:
         return 2 ** (len(vae.config.block_out_channels) - 1)
 

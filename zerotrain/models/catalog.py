@@ -26,6 +26,10 @@ _FIELD = "model.name_or_path"
 _SUPPORTED = ", ".join(FAMILIES)
 # owner/name as the hub spells repo ids: one slash, no leading dot or dash.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# The files that describe a diffusers pipeline folder: a pipeline's model_index.json, or the
+# modular_model_index.json of a modular pipeline (FLUX.3's), which lists components as [library, class,
+# loading spec].
+PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
 # Where a diffusers pipeline folder keeps its denoiser, in order of preference.
 _DENOISER_SUBFOLDERS = tuple(dict.fromkeys(family.denoiser_folder for family in families.all_families()))
 
@@ -117,10 +121,16 @@ def _from_config_file(name: str, path: Path) -> ModelSpec:
     )
 
 
+def pipeline_index(folder: Path) -> Path | None:
+    """The folder's pipeline index (PIPELINE_INDEXES, the first present), or None."""
+    return next((folder / name for name in PIPELINE_INDEXES if (folder / name).is_file()), None)
+
+
 def _from_folder(name: str, folder: Path, subfolder: str | None) -> ModelSpec:
-    """A diffusers pipeline folder (model_index.json), or a folder that holds a denoiser config.json."""
-    index_path = folder / "model_index.json"
-    index = _read_json(index_path) if index_path.is_file() else {}
+    """A diffusers pipeline folder (model_index.json or modular_model_index.json), or a folder that holds
+    a denoiser config.json."""
+    index_path = pipeline_index(folder)
+    index = _read_json(index_path) if index_path is not None else {}
     if subfolder is None and index:
         subfolder = _denoiser_component(index, index_path)
     if subfolder is not None:
@@ -138,7 +148,7 @@ def _from_folder(name: str, folder: Path, subfolder: str | None) -> ModelSpec:
         pretrained, sub = folder, None
     else:
         raise ZerotrainError(
-            f"{_FIELD}='{name}': {folder} holds neither model_index.json nor config.json; point to a "
+            f"{_FIELD}='{name}': {folder} holds no model_index.json, modular_model_index.json or config.json; point to a "
             "diffusers model folder (as written by save_pretrained) or to its denoiser's config.json"
         )
     return _spec(
@@ -156,7 +166,7 @@ def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> Mode
     """Fetch only the small JSON files (model_index, denoiser and VAE configs), never weights."""
     index = _hub_index(repo_id, revision, required=subfolder is None)
     if subfolder is None and index:
-        subfolder = _denoiser_component(index, f"{repo_id}/model_index.json")
+        subfolder = _denoiser_component(index, f"{repo_id}/{index.get('_index_file', 'model_index.json')}")
     denoiser_file = f"{subfolder}/config.json" if subfolder else "config.json"
     denoiser_path = _hub_file(repo_id, denoiser_file, revision)
     if denoiser_path is None:
@@ -177,15 +187,19 @@ def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> Mode
 
 
 def _hub_index(repo_id: str, revision: str | None, required: bool) -> dict[str, Any]:
-    """The hub repo's model_index.json ({} where it has none). With model.subfolder given the index only
-    names the pipeline (an edit model's), so a hub that cannot be reached is no error then."""
-    try:
-        path = _hub_file(repo_id, "model_index.json", revision)
-    except ZerotrainError:
-        if required:
-            raise
-        return {}
-    return _read_json(path) if path is not None else {}
+    """The hub repo's pipeline index (PIPELINE_INDEXES, the first it has; {} where it has none), with
+    "_index_file" naming it. With model.subfolder given the index only names the pipeline (an edit
+    model's), so a hub that cannot be reached is no error then."""
+    for name in PIPELINE_INDEXES:
+        try:
+            path = _hub_file(repo_id, name, revision)
+        except ZerotrainError:
+            if required:
+                raise
+            return {}
+        if path is not None:
+            return {**_read_json(path), "_index_file": name}
+    return {}
 
 
 def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path | None:
@@ -233,11 +247,12 @@ def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path | None:
 
 
 def _denoiser_component(index: dict[str, Any], where: Path | str) -> str:
-    """The model_index.json component that holds a supported denoiser."""
+    """The pipeline index's component that holds a supported denoiser: [library, class] entries, and a
+    modular index's [library, class, loading spec]."""
     components = {
         key: value[1]
         for key, value in index.items()
-        if not key.startswith("_") and isinstance(value, list) and len(value) == 2
+        if not key.startswith("_") and isinstance(value, list) and len(value) in (2, 3)
     }
     found = [key for key, class_name in components.items() if class_name in FAMILIES]
     for key in _DENOISER_SUBFOLDERS:

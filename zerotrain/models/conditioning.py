@@ -80,9 +80,16 @@ def encoder_folder(spec: ModelSpec, folder_or_hub: str | Path, revision: str | N
     if folder.is_dir():
         return folder
     pipeline_class = _pipeline_class(spec)
+    family = families.of(spec)
     try:
+        if not hasattr(pipeline_class, "download"):  # a modular pipeline: the components' folders only
+            from huggingface_hub import snapshot_download
+
+            folders = ["vae", *(name for pair in family.text_components for name in pair)]
+            return Path(snapshot_download(str(folder_or_hub), revision=revision,
+                                          allow_patterns=["*.json", *(f"{name}/*" for name in folders)]))
         return Path(pipeline_class.download(str(folder_or_hub), revision=revision,
-                                            **{families.of(spec).denoiser_folder: None, "scheduler": None}))
+                                            **{family.denoiser_folder: None, "scheduler": None}))
     except (OSError, ValueError) as err:
         reason = " ".join(str(err).split())[:500]
         raise ZerotrainError(f"model.name_or_path='{folder_or_hub}': cannot fetch its VAE and text encoders "
@@ -116,7 +123,7 @@ def load_encoders(
     diffusers_logging.disable_progress_bar()  # zerotrain reports progress itself
     transformers_logging.disable_progress_bar()
     try:
-        pipeline = pipeline_class.from_pretrained(folder, dtype=dtype, **skipped)
+        pipeline = families.of(spec).encoder_pipeline(pipeline_class, folder, dtype, skipped)
     except (OSError, ValueError) as err:
         reason = " ".join(str(err).split())[:500]
         raise ZerotrainError(
@@ -213,7 +220,7 @@ def _text_pipeline(encoders: Encoders) -> Any:
         family.text_components, encoders.tokenizers, encoders.text_encoders, strict=True
     ):
         components[tokenizer_name], components[encoder_name] = tokenizer, encoder
-    return getattr(diffusers, encoders.pipeline)(**components)
+    return family.text_pipeline(getattr(diffusers, encoders.pipeline), components)
 
 
 def _posterior(encoders: Encoders, pixels: torch.Tensor) -> tuple[Any, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from zerotrain import families
-from zerotrain.models.catalog import _catalog_entry, catalog_names
+from zerotrain.models.catalog import _catalog_entry, catalog_names, pipeline_index
 from zerotrain.models.tiny_parts import diffusers_class, seeded
 
 # The catalog's tiny models: every entry named tiny-*.
@@ -27,7 +27,8 @@ TINY_NAMES = tuple(name for name in catalog_names() if name.startswith("tiny-"))
 
 def build_tiny_pipeline(name: str, folder: Path) -> Path:
     """Write the complete diffusers model folder of catalog entry `name` (one of TINY_NAMES) into
-    `folder` and return it. The folder loads with DiffusionPipeline.from_pretrained."""
+    `folder` and return it. The folder loads with DiffusionPipeline.from_pretrained (ModularPipeline's
+    for a modular pipeline's)."""
     if name not in TINY_NAMES:
         raise ValueError(f"build_tiny_pipeline: '{name}' is not one of {', '.join(TINY_NAMES)}")
     entry = _catalog_entry(name)
@@ -48,7 +49,7 @@ def ensure_tiny_pipeline(name: str, root: Path) -> Path:
     """The tiny model folder under `root`, built once (atomically) and reused: what a catalog
     tiny-* name trains from, since no weights exist for it anywhere else."""
     folder = Path(root) / name
-    if (folder / "model_index.json").is_file():
+    if pipeline_index(folder) is not None:
         return folder
     tmp = Path(root) / f".{name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -276,14 +276,14 @@ def trace_activations(
 
 
 def repeated_block_groups(model: torch.nn.Module) -> dict[str, list[list[int]]]:
-    """For each top-level ModuleList of 3+ DiT transformer blocks: its block indices grouped by
+    """For each block list (recompute.block_lists) of 3+ DiT transformer blocks: its block indices grouped by
     structure (class and parameter shapes). Blocks of one group cost the same activations and
     FLOPs. Only *TransformerBlock lists qualify: a DiT block maps tokens to tokens of the same
     shape, so dropping some leaves a valid model, whereas UNet down/up blocks change resolution
     and feed skip connections."""
     groups: dict[str, list[list[int]]] = {}
-    for name, child in model.named_children():
-        if not isinstance(child, torch.nn.ModuleList) or len(child) < 3:
+    for name, child in recompute.block_lists(model).items():
+        if len(child) < 3:
             continue
         if not all(type(block).__name__.endswith("TransformerBlock") for block in child):
             continue
@@ -297,15 +297,16 @@ def repeated_block_groups(model: torch.nn.Module) -> dict[str, list[list[int]]]:
 
 @contextlib.contextmanager
 def keep_blocks(model: torch.nn.Module, keep: dict[str, list[int]]) -> Iterator[None]:
-    """Temporarily shorten top-level ModuleLists to the given block indices (in order)."""
-    originals = {name: getattr(model, name) for name in keep}
+    """Temporarily shorten block lists (recompute.block_lists) to the given block indices (in order)."""
+    lists = recompute.block_lists(model)
+    originals = {name: lists[name] for name in keep}
     try:
         for name, indices in keep.items():
-            setattr(model, name, torch.nn.ModuleList([originals[name][i] for i in sorted(indices)]))
+            recompute.set_block_list(model, name, torch.nn.ModuleList([originals[name][i] for i in sorted(indices)]))
         yield
     finally:
         for name, blocks in originals.items():
-            setattr(model, name, blocks)
+            recompute.set_block_list(model, name, blocks)
 
 
 def _extrapolate(base: ActivationFacts, slopes: list[tuple[ActivationFacts, int]]) -> ActivationFacts:
@@ -424,15 +425,23 @@ def frozen_storage_bytes(model: torch.nn.Module, quantize: Quantization) -> int:
 
 
 def block_params(model: torch.nn.Module) -> dict[str, int]:
-    """Parameters per top-level block: items of top-level ModuleLists, and other top-level
-    children whole."""
+    """Parameters per top-level block: items of block lists (recompute.block_lists), and other top-level
+    children whole (a ModuleDict less its block lists)."""
+    lists = recompute.block_lists(model)
     blocks: dict[str, int] = {}
     for name, child in model.named_children():
-        items = child.named_children() if isinstance(child, torch.nn.ModuleList) else [("", child)]
-        for index, module in items:
-            count = sum(p.numel() for p in module.parameters())
-            if count:
-                blocks[f"{name}.{index}" if index else name] = count
+        inner = {prefix: items for prefix, items in lists.items() if prefix == name or prefix.startswith(f"{name}.")}
+        for prefix, items in inner.items():
+            for index, module in enumerate(items):
+                count = sum(p.numel() for p in module.parameters())
+                if count:
+                    blocks[f"{prefix}.{index}"] = count
+        if isinstance(child, torch.nn.ModuleList):
+            continue
+        listed = {id(p) for items in inner.values() for p in items.parameters()}
+        count = sum(p.numel() for p in child.parameters() if id(p) not in listed)
+        if count:
+            blocks[name] = count
     return blocks
 
 
