@@ -274,7 +274,7 @@ def test_sd15_is_plan_only_and_cache_and_training_refuse_it_in_one_line(tmp_path
     from zerotrain.models.catalog import catalog_listing, check_trainable
 
     assert [n for n in catalog_names() if is_plan_only(resolve_model(ModelConfig(name_or_path=n)))] == [
-        "qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511", "sd1.5"]
+        "flux3-klein", "qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511", "sd1.5"]
     assert "sd1.5 (plan only)" in catalog_listing() and "sdxl-base (plan only)" not in catalog_listing()
     expected = "model.name_or_path='sd1.5' is plan-only: zerotrain plans SD 1.x/2.x UNets but cannot cache or train them"
     spec = resolve_model(ModelConfig(name_or_path="sd1.5"))
@@ -320,7 +320,7 @@ def test_missing_class_name(tmp_path):
 
 
 def test_folder_without_configs(tmp_path):
-    one_line_error(tmp_path, "neither model_index.json nor config.json")
+    one_line_error(tmp_path, "no model_index.json, modular_model_index.json or config.json")
 
 
 def test_vae_that_does_not_fit_the_denoiser(tmp_path):

@@ -191,8 +191,8 @@ def bfl_name(module: str) -> str | None:
     if module in _TOP:
         return _TOP[module]
     for old, new in _PREFIXES.items():
-        if module.startswith(old):
-            module = new + module[len(old):]
+        if f"{module}.".startswith(old):
+            module = (new + module[len(old):] if len(module) >= len(old) else new).rstrip(".")
             break
     for old, new in _IN_BLOCK.items():
         if module.endswith("." + old):

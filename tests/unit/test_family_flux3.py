@@ -1,0 +1,329 @@
+"""FLUX.3 [klein] (zerotrain/families/flux3.py) against diffusers' own modular FLUX.3 blocks, their scheduler and
+LoRA and single-file converters: the catalog counts, planning (per-mode blocks as checkpoint units), the
+flow-map model being plan-only, the tiny modular folder, the cached text against the text encoder step (and
+a batch's layout against the step's own longer padding), the latents and references against the VAE encoder
+and reference steps, the objective's timestep, target and shift, validation renders, and the exports.
+
+The tiny VAE downsamples 2x and patchifies 2x2: 64 px images are 16x16 tokens of 16 channels."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import Flux3ModularPipeline, Flux3Transformer2DModel
+from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
+from diffusers.modular_pipelines.flux3.before_denoise import Flux3PrepareImageCondLatentsStep
+from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
+from peft import LoraConfig, get_peft_model_state_dict
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+from tests.unit.test_sampling import check_image, make_validator
+from tests.unit.tiny_family import bare_config, gen, plan_json, spec_of, tiny_fixtures
+from zerotrain.config import RunConfig
+from zerotrain.config.sections import ObjectiveConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.export import comfyui_lora_state_dict
+from zerotrain.families import example_inputs
+from zerotrain.families.flux3 import FAMILY, padded_text, settings, text_processor
+from zerotrain.models.catalog import check_trainable
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
+from zerotrain.objectives import flow_interpolate, flow_target, make_objective
+from zerotrain.planner.measure import measure_model
+
+# sum(p.numel() for p in model.parameters()) on the meta device (diffusers 0.42.1).
+PARAMETERS = {"flux3-klein-base": 5_538_458_368, "tiny-flux3": 94_880}
+SHORT = "a red chair"
+# The tiny tokenizer's merges are few: digits make one token each, so this caption runs past 80 tokens.
+LONG = "an oil painting, " + " ".join(str(i % 10) for i in range(40))  # 93 tokens
+TEXT_TOKENS = 200
+SIDE = 64
+GRID = SIDE // 4  # 16x16 tokens
+
+root, folder, _, encoders = tiny_fixtures("tiny-flux3", "Flux3ModularPipeline")
+
+
+@pytest.fixture(scope="module")
+def blocks(folder):
+    """diffusers' FLUX.3 pipeline loaded from the tiny folder with no zerotrain code but the tokenizer's
+    wrapper: the blocks (without the prompt upsampler) and every component."""
+    blocks = Flux3AutoBlocks()
+    blocks.sub_blocks.pop("prompt_upsampler")  # as its docs say, to encode the prompt as given
+    pipeline = blocks.init_pipeline(str(folder))
+    pipeline.load_components(names=["vae", "transformer", "text_encoder"], pretrained_model_name_or_path=str(folder))
+    pipeline.update_components(tokenizer=text_processor(AutoTokenizer.from_pretrained(folder, subfolder="tokenizer")))
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def step_embeds(blocks, caption: str, **step) -> torch.Tensor:
+    """The text encoder step's own prompt_embeds for a caption (its max_sequence_length and pad multiple)."""
+    return Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(blocks.text_encoder, blocks.tokenizer, caption, **step)
+
+
+def cached_batch(encoders, n: int = 2) -> dict[str, torch.Tensor]:
+    shape = (n, 16, GRID, GRID)
+    text = encode_prompts(encoders, [SHORT, LONG], TEXT_TOKENS)
+    return {"latent_mean": torch.randn(shape, generator=gen(1)), "latent_std": torch.zeros(shape),
+            **{name: value.repeat(n // 2, *[1] * (value.ndim - 1)) for name, value in text.items()}}
+
+
+def objective_of(folder, **config):
+    return make_objective(spec_of(folder), FAMILY.scheduler_config(folder), ObjectiveConfig(**config), SIDE)
+
+
+# --- catalog and planning ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_catalog_entry_builds_on_meta_with_the_published_count(name):
+    spec = spec_of(name)
+    assert (spec.family, spec.class_name) == ("flux3", "Flux3Transformer2DModel")
+    with torch.device("meta"):
+        model = Flux3Transformer2DModel.from_config(spec.config)
+    assert sum(p.numel() for p in model.parameters()) == PARAMETERS[name]
+    side = 16 if name == "flux3-klein-base" else 4  # 8x VAE and 2x2 patches; the tiny VAE is 2x
+    assert (spec.vae_scale_factor, spec.vae_scaling_factor, FAMILY.pixel_factor(spec)) == (side, None, side)
+
+
+def test_the_base_config_is_the_class_defaults_and_klein_is_its_flow_map():
+    defaults = {k: list(p.default) if isinstance(p.default, tuple) else p.default
+                for k, p in inspect.signature(Flux3Transformer2DModel.__init__).parameters.items() if k != "self"}
+    assert {k: v for k, v in spec_of("flux3-klein-base").config.items() if not k.startswith("_")} == defaults
+    assert spec_of("flux3-klein").config == {**spec_of("flux3-klein-base").config, "flow_map": True}
+
+
+def test_the_flow_map_plans_but_neither_caches_nor_trains(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = spec_of("flux3-klein")
+    assert FAMILY.pipeline_name(spec) == "Flux3DistilledModularPipeline"
+    assert "target_timestep" in example_inputs(spec, 1, 64, 64, 8, "meta", torch.bfloat16)
+    with pytest.raises(ZerotrainError, match=r"plan-only: .*flow maps .* fine-tune FLUX.3 \[klein\] Base, flux3-klein-base"):
+        check_trainable(spec)
+    check_trainable(spec_of("flux3-klein-base"))
+
+
+def test_plans_a_lora_at_1024_on_a_24gb_card_with_the_shipped_facts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert plan_json(capsys, "flux3-klein-base", "--resolution", "1024", "--gpus", "1xRTX4090-24GB",
+                     "--mode", "lora")["chosen"]["fits"] is True
+    run = RunConfig(model={"name_or_path": "flux3-klein-base"}, training={"mode": "lora"}, data={"resolution": 1024})
+    facts = measure_model(spec_of("flux3-klein-base"), run)
+    assert facts.cached, "the plan's: shipped with zerotrain"
+    assert (facts.image_tokens, facts.text_tokens) == (4096, 512)  # (1024 / 16)^2
+    # The per-mode blocks are checkpoint units; the reference blocks, idle without references, free nothing.
+    assert [(unit.names[0], len(unit.names)) for unit in facts.checkpoint_units] == [
+        ("txt_mode_blocks.0", 5), ("mode_blocks.image.0", 5), ("single_transformer_blocks.0", 28)]
+
+
+def test_a_bare_published_config_json_plans_at_1024_and_lora_counts_every_blocks_targets(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = bare_config(tmp_path, spec_of("flux3-klein-base").config)
+    assert plan_json(capsys, path, "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
+    run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
+                    data={"resolution": 1024})
+    facts = measure_model(spec_of(path), run)
+    assert not facts.cached and facts.image_tokens == 4096
+    # Per block q, k, v, out (3072 -> 3072), linear_in (3072 -> 18432), linear_out (9216 -> 3072); 5 blocks for
+    # each of image, references and text, 28 joint blocks.
+    per_block = 4 * 4 * (3072 + 3072) + 4 * (3072 + 18432) + 4 * (9216 + 3072)
+    assert facts.trainable_params == (3 * 5 + 28) * per_block
+    assert facts.total_params == PARAMETERS["flux3-klein-base"] + (3 * 5 + 28) * per_block
+
+
+# --- the tiny model and the cache ---------------------------------------------------------------------
+
+
+def test_tiny_folder_is_a_modular_flux3_pipeline_diffusers_loads(folder, blocks):
+    assert not (folder / "model_index.json").exists() and (folder / "modular_model_index.json").is_file()
+    assert type(blocks) is Flux3ModularPipeline
+    assert len(blocks.text_encoder.model.language_model.layers) == max(settings()["out_layers"]) == 32
+    assert blocks.scheduler.config.shift == 6.93 and not blocks.scheduler.config.use_dynamic_shifting
+    assert FAMILY.scheduler_config(folder)["shift"] == 6.93
+
+
+def test_cached_captions_are_the_text_encoder_steps_rows_and_one_padded_row(blocks, encoders):
+    cached = encode_prompts(encoders, [SHORT, LONG], TEXT_TOKENS)
+    assert cached["prompt_embeds"].shape == (2, TEXT_TOKENS, 128)
+    for i, (caption, length) in enumerate(((SHORT, 80), (LONG, 160))):  # right-padded to multiples of 80
+        theirs = step_embeds(blocks, caption)  # the step's defaults: up to 8192 tokens, multiples of 80
+        assert theirs.shape == (1, length, 128)
+        assert cached["prompt_embeds_mask"][i].tolist() == [1] * length + [0] * (TEXT_TOKENS - length)
+        torch.testing.assert_close(cached["prompt_embeds"][i, :length], theirs[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cached["prompt_embeds"][i, length], theirs[0, -1], rtol=1e-5, atol=1e-5)
+        assert not cached["prompt_embeds"][i, length + 1:].any()
+    # A batch is laid out to its longest caption: the short one is the step's own encoding at that padding.
+    laid = padded_text(cached["prompt_embeds"], cached["prompt_embeds_mask"])
+    assert laid.shape == (2, 160, 128)
+    torch.testing.assert_close(laid[0], step_embeds(blocks, SHORT, pad_multiple=160)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_caption_longer_than_text_tokens_is_one_line_that_names_it(encoders):
+    with pytest.raises(ZerotrainError, match=r"the caption 'an oil painting.*' is \d+ tokens .* above "
+                                             r"data.text_tokens=90; raise data.text_tokens \(up to 8192\)"):
+        encode_prompts(encoders, [SHORT, LONG], 90)
+
+
+def test_cached_latents_and_references_are_the_vae_encoder_and_reference_steps(blocks, encoders):
+    """The cache's grid is Flux3VaeEncoderStep's normalized, patchified mode (with batch-norm statistics that
+    differ per channel), and training's reference tokens and ids are Flux3PrepareImageCondLatentsStep's."""
+    vae = encoders.vae
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-1, 1, 16))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2, 16))
+    pixels = torch.rand(2, 3, SIDE, SIDE, generator=gen(4)) * 2 - 1
+    moments = encode_latent_moments(encoders, pixels)
+    assert moments.mean.shape == (2, 16, GRID, GRID) and not moments.std.any()
+    with torch.no_grad():
+        patched = Flux3VaeEncoderStep._patchify_latents(vae.encode(pixels).latent_dist.mode())
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    torch.testing.assert_close(moments.mean, (patched - vae.bn.running_mean.view(1, -1, 1, 1)) / std, rtol=1e-5, atol=1e-5)
+
+    references = [moments.mean[:1], moments.mean[1:, :, :8]]  # two references, the second 8x16 tokens
+    kwargs = FAMILY.add_references(spec_of("tiny-flux3"), {"hidden_states": torch.zeros(1, 4, 16)}, references)
+    state = Flux3PrepareImageCondLatentsStep()
+    block_state = SimpleBlockState(image_cond_latents=references, dtype=torch.float32)
+    state.get_block_state = lambda _: block_state
+    state.set_block_state = lambda *_: None
+    state(SimpleComponents(), None)
+    assert torch.equal(kwargs["image_cond_hidden_states"], block_state.image_cond_hidden_states)
+    assert torch.equal(kwargs["image_cond_ids"], block_state.image_cond_ids)
+    assert kwargs["image_cond_ids"][:, 3].unique().tolist() == [-2.0, -1.0]
+
+
+class SimpleBlockState:
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+class SimpleComponents:
+    _execution_device = torch.device("cpu")
+
+
+# --- the objective -----------------------------------------------------------------------------------
+
+
+def test_the_timestep_is_sigma_the_target_the_velocity_and_the_shift_the_blocks(folder, encoders):
+    """The blocks pass timestep = t / 1000 = sigma and step the scheduler (shift 6.93, whatever the
+    resolution) with the output: with the output equal to flow_inputs' target (noise - x0), each Euler step
+    lands on the next point of the flow."""
+    objective = objective_of(folder)
+    assert objective.shift(GRID * GRID) == objective.shift(64 * 64) == 6.93
+    batch = cached_batch(encoders)
+    x0, noise = torch.randn(2, 16, GRID, GRID, generator=gen(2)), torch.randn(2, 16, GRID, GRID, generator=gen(3))
+    scheduler = settings()["scheduler"].create()
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4))
+    scheduler.set_begin_index(0)
+    for i, timestep in enumerate(scheduler.timesteps):
+        sigma = scheduler.sigmas[i].expand(2)
+        x_t = flow_interpolate(x0, noise, sigma)
+        kwargs, target = FAMILY.flow_inputs(objective, x_t, flow_target(x0, noise), sigma, batch)
+        assert kwargs["timestep"].dtype == objective.model_dtype
+        torch.testing.assert_close(kwargs["timestep"], (timestep.expand(2) / 1000).to(objective.model_dtype))
+        torch.testing.assert_close(target, FAMILY.target_layout(noise - x0))
+        stepped = scheduler.step(target, timestep, FAMILY.target_layout(x_t), return_dict=False)[0]
+        torch.testing.assert_close(stepped, FAMILY.target_layout(flow_interpolate(x0, noise, scheduler.sigmas[i + 1].expand(2))))
+    # The shifted schedule the blocks sample: sigma' = 6.93 s / (1 + 5.93 s).
+    s = torch.tensor(np.linspace(1.0, 1 / 4, 4), dtype=torch.float32)
+    torch.testing.assert_close(scheduler.sigmas[:-1], 6.93 * s / (1 + 5.93 * s))
+
+
+def test_the_planners_inputs_run_the_model(folder):
+    model = Flux3Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    with torch.no_grad():
+        out = model(**example_inputs(spec_of(folder), 2, SIDE, SIDE, 12, "cpu", torch.float32), return_dict=False)[0]
+    assert out.shape == (2, GRID * GRID, 16)
+
+
+def test_text_to_image_trains_all_but_the_reference_pathway_and_an_edit_trains_it_too(folder, encoders):
+    model = Flux3Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    model.train()
+    objective = objective_of(folder)
+    batch = cached_batch(encoders)
+    prepared = objective.prepare(batch, gen())
+    objective.loss(model(**prepared.model_kwargs, return_dict=False)[0], prepared).backward()
+    idle = {n for n, p in model.named_parameters() if p.grad is None}
+    assert idle and all(".image_cond" in n for n in idle)
+    model.zero_grad(set_to_none=True)
+    edit = objective.prepare({**batch, "reference_0": torch.randn(2, 16, GRID, GRID, generator=gen(5))}, gen())
+    assert edit.references == 1 and edit.model_kwargs["image_cond_hidden_states"].shape == (2, GRID * GRID, 16)
+    pred = model(**edit.model_kwargs, return_dict=False)[0]
+    assert pred.shape == edit.target.shape == (2, GRID * GRID, 16)  # the references produce no output
+    objective.loss(pred, edit).backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+
+
+# --- validation ----------------------------------------------------------------------------------------
+
+
+def test_validation_renders_what_the_blocks_render_from_the_prompt(root, blocks, tmp_path):
+    """Guidance 3.5 with the empty negative prompt, from the cached rows: the blocks' own image from the
+    prompt, text encoder step included."""
+    prompt = SHORT
+    _, _, validator = make_validator(root, "tiny-flux3", f"validation.prompts=['{prompt}']", "validation.seeds=[3]")
+    assert validator.cfg and validator.guidance_scale == 3.5
+    path = validator.render(blocks.transformer, 0, tmp_path)[0]
+    rendered = check_image(path, SIDE, {"prompt": prompt, "guidance_scale": "3.5"})
+    direct = blocks(prompt=prompt, negative_prompt="", height=SIDE, width=SIDE, num_inference_steps=2,
+                    generator=gen(3), output="images")[0]
+    assert np.abs(rendered - np.asarray(direct).astype(np.int16)).max() <= 1
+
+
+# --- export --------------------------------------------------------------------------------------------
+
+
+def adapted(folder, targets, rank: int = 4):
+    model = Flux3Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=8.0, target_modules=targets, init_lora_weights="gaussian"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(generator=gen(7))
+    return model
+
+
+def test_comfyui_lora_is_bfls_layout_that_diffusers_loads_as_the_same_adapter(folder):
+    rank, alpha = 4, 8.0
+    model = adapted(folder, list(FAMILY.lora_targets), rank)
+    layers = get_peft_model_state_dict(model)
+    comfy = comfyui_lora_state_dict(spec_of(folder), model, layers, alpha)
+    assert {"diffusion_model.content_mode_blocks.image.0.q_proj.lora_A.weight",
+            "diffusion_model.txt_mode_blocks.0.mlp_in.lora_B.weight",
+            "diffusion_model.single_blocks.1.attn_out.lora_A.weight"} <= comfy.keys()
+    state = Flux3ModularPipeline.lora_state_dict(dict(comfy))  # diffusers' reader of BFL's layout
+    state = state[0] if isinstance(state, tuple) else state
+    modules = {k.removesuffix(".lora_A.weight") for k in layers if k.endswith(".lora_A.weight")}
+    assert {k.removeprefix("transformer.").rsplit(".", 2)[0] for k in state} == modules
+    for module in modules:
+        expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank)
+        got = state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    pipeline = Flux3ModularPipeline.from_pretrained(folder)
+    pipeline.load_components(names=["transformer"], pretrained_model_name_or_path=str(folder))
+    pipeline.load_lora_weights(dict(comfy))
+
+
+def test_a_lora_outside_the_blocks_has_no_comfyui_layout(folder):
+    model = adapted(folder, ["context_embedder", "to_q"])
+    with pytest.raises(ZerotrainError, match="context_embedder has no name in the Black Forest Labs LoRA layout"):
+        comfyui_lora_state_dict(spec_of(folder), model, get_peft_model_state_dict(model), 2.0)
+
+
+def test_the_full_comfyui_model_is_bfls_single_file_that_diffusers_reads_back(folder, tmp_path):
+    model = Flux3Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    weights = dict(model.state_dict())
+    bfl = FAMILY.comfyui_model(weights)
+    assert {"emb_in.image.weight", "txt_in.weight", "time_in.in_layer.weight", "content_mode_blocks.image_cond.0.q_proj.weight",
+            "txt_mode_blocks.0.norm.query_norm.scale", "single_blocks.1.mlp_out.weight", "early_stream_modulations.txt.lin.weight",
+            "final_layer.image.linear.weight", "final_layer.image.adaLN_modulation.1.weight"} <= bfl.keys()
+    assert len(bfl) == len(weights)
+    save_file({k: v.contiguous() for k, v in bfl.items()}, tmp_path / "flux3.safetensors")
+    loaded = Flux3Transformer2DModel.from_single_file(str(tmp_path / "flux3.safetensors"), config=str(folder),
+                                                      subfolder="transformer", torch_dtype=torch.float32)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+    assert math.isclose(float(bfl["final_layer.image.adaLN_modulation.1.weight"][0, 0]),
+                        float(weights["norm_out.linear.weight"][model.inner_dim, 0]))  # (shift, scale) in BFL's
