@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import inspect
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from diffusers import Flux3ModularPipeline, Flux3Transformer2DModel
 from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
-from diffusers.modular_pipelines.flux3.before_denoise import Flux3PrepareImageCondLatentsStep
+from diffusers.modular_pipelines.flux3.before_denoise import (
+    Flux3PrepareImageCondLatentsStep,
+    Flux3PrepareLatentsStep,
+    Flux3TextRoPEInputsStep,
+)
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
 from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import save_file
@@ -185,23 +190,20 @@ def test_cached_latents_and_references_are_the_vae_encoder_and_reference_steps(b
 
     references = [moments.mean[:1], moments.mean[1:, :, :8]]  # two references, the second 8x16 tokens
     kwargs = FAMILY.add_references(spec_of("tiny-flux3"), {"hidden_states": torch.zeros(1, 4, 16)}, references)
-    state = Flux3PrepareImageCondLatentsStep()
-    block_state = SimpleBlockState(image_cond_latents=references, dtype=torch.float32)
-    state.get_block_state = lambda _: block_state
-    state.set_block_state = lambda *_: None
-    state(SimpleComponents(), None)
-    assert torch.equal(kwargs["image_cond_hidden_states"], block_state.image_cond_hidden_states)
-    assert torch.equal(kwargs["image_cond_ids"], block_state.image_cond_ids)
+    theirs = run_step(Flux3PrepareImageCondLatentsStep(), image_cond_latents=references, dtype=torch.float32)
+    assert torch.equal(kwargs["image_cond_hidden_states"], theirs.image_cond_hidden_states)
+    assert torch.equal(kwargs["image_cond_ids"], theirs.image_cond_ids)
     assert kwargs["image_cond_ids"][:, 3].unique().tolist() == [-2.0, -1.0]
 
 
-class SimpleBlockState:
-    def __init__(self, **values):
-        self.__dict__.update(values)
-
-
-class SimpleComponents:
-    _execution_device = torch.device("cpu")
+def run_step(step, **values):
+    """One of the blocks' steps run on `values` (its block state) with the CPU as the execution device; the
+    state it leaves."""
+    state = SimpleNamespace(**values)
+    step.get_block_state = lambda _: state
+    step.set_block_state = lambda *_: None
+    step(SimpleNamespace(_execution_device=torch.device("cpu"), vae_scale_factor=2, num_channels_latents=16), None)
+    return state
 
 
 # --- the objective -----------------------------------------------------------------------------------
@@ -225,6 +227,14 @@ def test_the_timestep_is_sigma_the_target_the_velocity_and_the_shift_the_blocks(
         assert kwargs["timestep"].dtype == objective.model_dtype
         torch.testing.assert_close(kwargs["timestep"], (timestep.expand(2) / 1000).to(objective.model_dtype))
         torch.testing.assert_close(target, FAMILY.target_layout(noise - x0))
+        if i == 0:  # the ids the blocks give the image and the text
+            latents = run_step(Flux3PrepareLatentsStep(), height=SIDE, width=SIDE, latents=x_t, num_images_per_prompt=1,
+                               generator=None, batch_size=2, dtype=torch.float32)
+            assert torch.equal(kwargs["img_ids"], latents.img_ids)
+            torch.testing.assert_close(kwargs["hidden_states"], latents.latents.to(objective.model_dtype))
+            text = run_step(Flux3TextRoPEInputsStep(), prompt_embeds=kwargs["encoder_hidden_states"],
+                            negative_prompt_embeds=None)
+            assert torch.equal(kwargs["txt_ids"], text.txt_ids)
         stepped = scheduler.step(target, timestep, FAMILY.target_layout(x_t), return_dict=False)[0]
         torch.testing.assert_close(stepped, FAMILY.target_layout(flow_interpolate(x0, noise, scheduler.sigmas[i + 1].expand(2))))
     # The shifted schedule the blocks sample: sigma' = 6.93 s / (1 + 5.93 s).

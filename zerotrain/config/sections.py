@@ -232,9 +232,10 @@ class DataConfig(_Section):
     """Target training resolution R in pixels; buckets have about R x R pixels."""
     text_tokens: int | None = Field(None, ge=1)
     """Text sequence length fed to the denoiser; the family's default when not given
-    (Flux, Chroma, FLUX.2, Qwen-Image and Z-Image 512, SD3 77 CLIP + 256 T5, SDXL/SD1.5 77). Families
-    with variable-length text (Qwen-Image, Z-Image, Chroma) cache up to this many tokens and train on
-    each caption's own length."""
+    (512 for the DiT families, SD3 77 CLIP + 256 T5, SDXL/SD1.5 77). Families with variable-length
+    text (Qwen-Image, Z-Image, Chroma, Krea 2, Ideogram 4, FLUX.3 [klein]) cache up to this many tokens
+    and train on each batch's longest caption; Ideogram 4 and FLUX.3 [klein] stop on a longer caption
+    (their pipelines would not cut it)."""
     datasets: list[DatasetConfig] = Field(default_factory=list)
     """Image folders or manifests to train on, each with its repeat count."""
     bucket_step: int = Field(64, ge=8, le=512)

@@ -91,6 +91,18 @@ PRESETS: dict[str, list[str]] = {
     "ideogram-4-full-2xA100-80GB.json": [
         "--model", "ideogram-4", "--resolution", "1024", "--gpus", "2xA100-80GB", "--mode", "full",
         "--global-batch", "8"],
+    # FLUX.3 [klein] Base (issue 26), the checkpoint for fine-tuning: a text-to-image LoRA and an edit LoRA
+    # with one reference on a 24 GB card, and the full fine-tune on the same card and its 64 GiB host with
+    # optimizer auto (adamw-bf16: fp32 AdamW would need 93 GiB of host).
+    "flux3-klein-base-lora-1xRTX4090-24GB.json": [
+        "--model", "flux3-klein-base", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
+        "--global-batch", "4"],
+    "flux3-klein-base-lora-1ref-1xRTX4090-24GB.json": [
+        "--model", "flux3-klein-base", "--resolution", "1024", "--references", "1", "--gpus", "1xRTX4090-24GB",
+        "--mode", "lora", "--global-batch", "4"],
+    "flux3-klein-base-full-adamw-bf16-1xRTX4090-24GB.json": [
+        "--model", "flux3-klein-base", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "full",
+        "--global-batch", "8", "--set", "optimizer.name=auto"],
 }
 
 ROOT = Path(__file__).resolve().parents[2] / "deepspeed_configs"
