@@ -9,7 +9,9 @@ The tiny VAE downsamples 2x and patchifies 2x2: 64 px images are 16x16 tokens of
 from __future__ import annotations
 
 import inspect
+import json
 import math
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,7 +38,7 @@ from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
 from zerotrain.families.flux3 import FAMILY, padded_text, settings, text_processor
 from zerotrain.models.catalog import check_trainable
-from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
 from zerotrain.objectives import flow_interpolate, flow_target, make_objective
 from zerotrain.planner.measure import measure_model
 
@@ -149,6 +151,20 @@ def test_tiny_folder_is_a_modular_flux3_pipeline_diffusers_loads(folder, blocks)
     assert len(blocks.text_encoder.model.language_model.layers) == max(settings()["out_layers"]) == 32
     assert blocks.scheduler.config.shift == 6.93 and not blocks.scheduler.config.use_dynamic_shifting
     assert FAMILY.scheduler_config(folder)["shift"] == 6.93
+
+
+def test_a_folder_whose_modular_index_names_another_folders_encoders_loads_them(folder, encoders, tmp_path):
+    """A fine-tune saved as a modular pipeline keeps its transformer and names the base's other components in
+    modular_model_index.json: the cache loads them from there, as the blocks' load_components does."""
+    tuned = tmp_path / "tuned"
+    shutil.copytree(folder / "transformer", tuned / "transformer")
+    index = json.loads((folder / "modular_model_index.json").read_text())
+    for name in ("vae", "text_encoder", "tokenizer"):
+        index[name][2]["pretrained_model_name_or_path"] = str(folder)
+    (tuned / "modular_model_index.json").write_text(json.dumps(index))
+    loaded = load_encoders(spec_of(tuned), tuned)
+    assert torch.equal(encode_prompts(loaded, [SHORT], 80)["prompt_embeds"],
+                       encode_prompts(encoders, [SHORT], 80)["prompt_embeds"])
 
 
 def test_cached_captions_are_the_text_encoder_steps_rows_and_one_padded_row(blocks, encoders):

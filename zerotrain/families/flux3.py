@@ -145,6 +145,24 @@ def text_processor(tokenizer: Any) -> Any:
                                 chat_template=tokenizer.chat_template)
 
 
+def component_source(folder: Path | str, name: str) -> tuple[str, str]:
+    """Where component `name` of a model folder loads from, as (pretrained_model_name_or_path, subfolder): the
+    folder's own subfolder when it holds one, else the loading spec of its modular_model_index.json (a modular
+    repo may name another repo's component), else the folder's subfolder all the same."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    if (folder / name).is_dir():
+        return str(folder), name
+    index = folder / "modular_model_index.json"
+    entry = json.loads(index.read_text(encoding="utf-8")).get(name) if index.is_file() else None
+    if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], dict) \
+            and entry[2].get("pretrained_model_name_or_path"):
+        return str(entry[2]["pretrained_model_name_or_path"]), entry[2].get("subfolder") or ""
+    return str(folder), name
+
+
 def modular(distilled: bool, *, text: bool, **components: Any) -> Any:
     """Flux3ModularPipeline (Flux3DistilledModularPipeline for a flow map) from the blocks, without the prompt
     upsampler, and without the text encoder step unless `text`; `components` set on it."""
@@ -261,13 +279,16 @@ class Flux3(BaseFamily):
 
     def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: Any, skipped: dict[str, None]) -> Any:
         """The blocks with the folder's VAE, Qwen3-VL text encoder and tokenizer (read by AutoTokenizer and
-        wrapped in text_processor), loaded from their subfolders as the modular pipeline loads them."""
+        wrapped in text_processor), each from where the modular pipeline loads it (component_source)."""
         from diffusers import AutoencoderKLFlux2
         from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
 
-        vae = AutoencoderKLFlux2.from_pretrained(folder, subfolder="vae", torch_dtype=dtype)
-        text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(folder, subfolder="text_encoder", dtype=dtype)
-        tokenizer = text_processor(AutoTokenizer.from_pretrained(folder, subfolder="tokenizer"))
+        repo, sub = component_source(folder, "vae")
+        vae = AutoencoderKLFlux2.from_pretrained(repo, subfolder=sub, torch_dtype=dtype)
+        repo, sub = component_source(folder, "text_encoder")
+        text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(repo, subfolder=sub, dtype=dtype)
+        repo, sub = component_source(folder, "tokenizer")
+        tokenizer = text_processor(AutoTokenizer.from_pretrained(repo, subfolder=sub))
         return modular(pipeline_class.__name__ != self.pipeline, text=True, vae=vae, text_encoder=text_encoder,
                        tokenizer=tokenizer)
 
