@@ -332,6 +332,34 @@ def test_comfyui_lora_is_bfls_layout_that_diffusers_loads_as_the_same_adapter(fo
     pipeline.load_lora_weights(dict(comfy))
 
 
+def test_a_lora_trained_on_base_loads_into_the_step_distilled_flow_map(blocks, folder, tmp_path):
+    """[klein] is Base distilled into a flow map: the same modules plus a target-timestep embedder. A LoRA saved
+    from Base loads into the distilled blocks (Flux3DistilledAutoBlocks, 16 steps without guidance) and changes
+    their render."""
+    from diffusers.modular_pipelines.flux3 import Flux3DistilledAutoBlocks
+
+    model = adapted(folder, list(FAMILY.lora_targets))
+    Flux3ModularPipeline.save_lora_weights(tmp_path, transformer_lora_layers=get_peft_model_state_dict(model))
+    torch.manual_seed(0)
+    flow_map = Flux3Transformer2DModel.from_config({**spec_of(folder).config, "flow_map": True})
+    auto = Flux3DistilledAutoBlocks()
+    auto.sub_blocks.pop("prompt_upsampler", None)
+    distilled = auto.init_pipeline()
+    distilled.update_components(transformer=flow_map, vae=blocks.vae, text_encoder=blocks.text_encoder,
+                                tokenizer=blocks.tokenizer)
+    distilled.set_progress_bar_config(disable=True)
+
+    def render():
+        return distilled(prompt=SHORT, height=SIDE, width=SIDE, num_inference_steps=2, generator=gen(0),
+                         output_type="pt", output="images")
+
+    before = render()
+    distilled.load_lora_weights(tmp_path, adapter_name="base")
+    assert "base" in flow_map.single_transformer_blocks[0].attn.to_q.scaling
+    assert "base" in flow_map.mode_blocks["image"][0].ff.linear_out.scaling
+    assert not torch.allclose(before, render())
+
+
 def test_a_lora_outside_the_blocks_has_no_comfyui_layout(folder):
     model = adapted(folder, ["context_embedder", "to_q"])
     with pytest.raises(ZerotrainError, match="context_embedder has no name in the Black Forest Labs LoRA layout"):
