@@ -263,18 +263,19 @@ class FlowMatching:
         a family whose output covers its text rows too (Family.joint_output)."""
         pred = self.family.prediction(pred)
         if prepared.references or self.family.joint_output:
-            pred = target_tokens(pred, prepared.target)
+            pred = target_tokens(pred, prepared.target, last=self.family.target_last)
         return mse_loss(pred, prepared.target, prepared.weights, prepared.mask)
 
 
-def target_tokens(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def target_tokens(pred: torch.Tensor, target: torch.Tensor, last: bool = False) -> torch.Tensor:
     """The target's tokens of an edit prediction (B, L_target + L_references, C): the first L_target,
-    as FluxKontextPipeline, Flux2Pipeline and QwenImageEditPipeline cut noise_pred[:, :L_target]."""
+    as FluxKontextPipeline, Flux2Pipeline and QwenImageEditPipeline cut noise_pred[:, :L_target]; the last
+    L_target with `last` (QwenImage21Pipeline's noise_pred[:, -L_target:])."""
     if pred.ndim != 3 or target.ndim != 3 or pred.shape[0] != target.shape[0] or pred.shape[2] != target.shape[2] \
             or pred.shape[1] < target.shape[1]:
         raise ValueError(f"target_tokens: an edit prediction {tuple(pred.shape)} does not hold the target's "
                          f"{tuple(target.shape)} tokens first")
-    return pred[:, :target.shape[1]]
+    return pred[:, pred.shape[1] - target.shape[1]:] if last else pred[:, :target.shape[1]]
 
 
 def make_flow_matching(

@@ -142,7 +142,10 @@ class Family(Protocol):
     auto (the family's training script's; 1.0, the SD3 paper's, for most)."""
     joint_output: ClassVar[bool]
     """The denoiser's output covers its whole input sequence, text rows included, the target's tokens
-    first (flow_inputs lays them out so): only those are scored, as with references."""
+    first (flow_inputs lays them out so; last with target_last): only those are scored, as with references."""
+    target_last: ClassVar[bool]
+    """The target's tokens are the output's last rows (Qwen-Image 2.1's block-causal sequence puts the
+    target after the text and the references), not its first."""
 
     # --- the model and its latents -----------------------------------------------------------------
 

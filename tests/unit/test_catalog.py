@@ -66,6 +66,8 @@ PARAMETERS = {
     "flux3-klein-base": 5_538_458_368,
     "flux3-klein": 5_548_681_984,
     "tiny-flux3": 94_880,
+    "qwen-image-2.1": 7_115_124_736,
+    "tiny-qwen-image21": 43_360,
 }
 TINY = ["tiny-flux", "tiny-sd3", "tiny-sdxl"]
 

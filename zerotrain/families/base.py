@@ -54,6 +54,7 @@ class BaseFamily:
     objective: ClassVar[str] = "flow"
     timestep_logit_std: ClassVar[float] = 1.0
     joint_output: ClassVar[bool] = False
+    target_last: ClassVar[bool] = False
     diffusers_lokr: ClassVar[bool] = False
     """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2)."""
 

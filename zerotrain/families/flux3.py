@@ -128,10 +128,11 @@ def padded_text(text: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return text.gather(1, rows.unsqueeze(-1).expand(-1, -1, text.shape[2]))
 
 
-def text_processor(tokenizer: Any) -> Any:
-    """The Qwen3-VL processor the blocks take as their tokenizer, around a loaded tokenizer and without a video
-    processor: transformers builds Qwen3-VL's video processor only with torchvision, which zerotrain does not
-    install, and the text encoder step uses the chat template and the tokenizer alone."""
+def text_processor(tokenizer: Any, image_processor: Any = None) -> Any:
+    """Qwen3-VL's processor around a loaded tokenizer (and image processor: transformers' PIL one by default),
+    without a video processor: transformers builds Qwen3-VL's video processor only with torchvision, which
+    zerotrain does not install, and the pipelines read text and images only. It saves as a Qwen3-VL processor
+    without one (the tokenizer, the image processor and the chat template)."""
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -141,8 +142,14 @@ def text_processor(tokenizer: Any) -> Any:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
-    return TextQwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer, video_processor=None,
-                                chat_template=tokenizer.chat_template)
+        def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any:
+            kwargs.pop("push_to_hub", None)
+            self.tokenizer.save_pretrained(save_directory, **kwargs)
+            self.image_processor.save_pretrained(save_directory)
+            return [save_directory]
+
+    return TextQwen3VLProcessor(image_processor=image_processor or Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
+                                video_processor=None, chat_template=tokenizer.chat_template)
 
 
 def component_source(folder: Path | str, name: str) -> tuple[str, str]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import flop_registry
 
@@ -219,6 +219,44 @@ def meta_autocast() -> Iterator[None]:
         torch.autocast = real  # type: ignore[misc]
 
 
+# The indexing ops whose boolean index tensors HostMetadataMode makes integer on the host.
+_INDEXING = frozenset({torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                       torch.ops.aten._index_put_impl_.default})
+
+
+class HostMetadataMode(TorchDispatchMode):
+    """Lets a meta trace use the small host tensors a model builds from its inputs' metadata (Qwen-Image 2.1
+    derives its token masks and position ids on the host from img_mask, with nonzero and tolist, which a meta
+    tensor cannot answer): an op that mixes meta and host tensors gets the host ones on meta, boolean indices
+    first made integer on the host (a meta tensor's nonzero has no size)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = tree_leaves((args, kwargs))
+        if any(_on(t, "meta") for t in leaves) and any(_on(t, "cpu") for t in leaves):
+            if func in _INDEXING:
+                indices: list[Any] = []
+                for index in args[1]:
+                    indices.extend(index.nonzero(as_tuple=True) if _on(index, "cpu") and index.dtype == torch.bool
+                                   else [index])
+                args = (args[0], indices, *args[2:])
+            args, kwargs = tree_map(lambda t: t.to("meta") if _on(t, "cpu") else t, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def host_metadata(inputs: dict[str, Any]) -> Any:
+    """HostMetadataMode where the inputs hold host tensors beside meta ones, a null context otherwise."""
+    leaves = tree_leaves(inputs)
+    if any(_on(t, "cpu") for t in leaves) and any(_on(t, "meta") for t in leaves):
+        return HostMetadataMode()
+    return contextlib.nullcontext()
+
+
+def _on(tensor: Any, device_type: str) -> bool:
+    """A tensor of at least one dimension on that device type (a 0-dim host scalar mixes with any device)."""
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == device_type and tensor.dim() > 0
+
+
 def _storage_keys(tensors: Iterator[torch.Tensor]) -> set[int]:
     return {t.untyped_storage()._cdata for t in tensors}
 
@@ -257,7 +295,7 @@ def trace_activations(
     accountant = _Accountant()
     mode = LiveBytesMode(ignore)
     try:
-        with flash_attention_accounting(accountant), mode:
+        with flash_attention_accounting(accountant), mode, host_metadata(inputs):
             out = model(**inputs, return_dict=False)[0]
             out = prediction(out) if prediction is not None else out
             loss = F.mse_loss(out.float(), torch.zeros_like(out, dtype=torch.float32))
@@ -461,7 +499,7 @@ def offload_inputs(model: torch.nn.Module, inputs: dict[str, Any], family: Any) 
         return function(*args, **kwargs)
 
     family.enable_checkpointing(model, None, record)
-    with torch.enable_grad():
+    with torch.enable_grad(), host_metadata(inputs):
         model(**inputs, return_dict=False)
     model.disable_gradient_checkpointing()
     return [t.numel() * t.element_size() for t in seen.values()], largest

@@ -1,0 +1,354 @@
+"""Qwen-Image 2.1: QwenImage21Transformer2DModel, its AutoencoderKLQwenImage21 and the last decoder layer of
+Qwen3-VL, as QwenImage21Pipeline uses them.
+
+What sets it apart:
+- One sequence. The transformer takes the text (Qwen3-VL's states, the template's system prefix dropped) and
+  the latents in a single block-causal sequence: causal over the text, bidirectional inside each image, the
+  target image last (img_mask marks its slots, one per 2x2 latent tokens, so images are multiples of 32
+  pixels). It returns a row for every position, and the loss scores the last ones, the target's
+  (Family.joint_output with target_last), as the pipeline cuts noise_pred[:, -N:]. The text and any
+  condition image are modulated at t = 0 (causal_condition), the target at its timestep.
+- Text: the last decoder layer's output before Qwen3-VL's final norm (the pipeline hooks the norm out), of
+  the caption in the pipeline's raw template; each caption keeps its own rows with a mask (the transformer
+  masks padded keys; the pipeline pads a batch too, the same way). The pipeline does not truncate, and
+  neither does zerotrain: a caption above data.text_tokens is an error that names it.
+- Latents: the VAE reads RGBA one-frame videos (B, 4, 1, H, W), 16x down to 64 channels, normalized per
+  channel by latents_mean / latents_std as the pipeline encodes and decodes; an RGB image gets an opaque
+  alpha, as the pipeline's convert("RGBA") gives it. One latent cell is one token (no packing).
+- The timestep is sigma and the target the velocity (noise - x0); the scheduler shifts by the target's token
+  count (dynamic shifting through calculate_shift, 0.5 at 256 tokens to 1.15 at 4096).
+- Sampling needs no guidance (true_cfg_scale 1 by default); the pipeline's sample_sigmas (model_index.json)
+  set its steps when the model's authors fixed them.
+
+The planner traces the transformer on the meta device with img_mask on the host: the transformer derives its
+token layout from it with nonzero and tolist (trace.HostMetadataMode).
+
+The processor (Qwen3VLProcessor) is built without its video processor (flux3.text_processor): transformers
+builds that one only with torchvision, which zerotrain does not install.
+
+ComfyUI: its Qwen-Image 2.1 layout is diffusers' names with each block's SwiGLU gate and up projections fused
+into img_mlp.gate_up, gate rows first (diffusers' convert_qwen_image21_transformer_checkpoint_to_diffusers
+splits it). The full model exports so, and a LoRA as "diffusion_model." + the module path (lora_A / lora_B /
+alpha), gate and up fused into one gate_up adapter where both are trained.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from zerotrain.errors import ZerotrainError
+from zerotrain.families.base import (
+    BaseFamily,
+    check_tokens,
+    compact_rows,
+    example_timestep,
+    meta_or_random,
+    model_index,
+    trim_rows,
+)
+from zerotrain.families.flux import fuse_lora
+from zerotrain.families.qwen_image import _channel_view
+from zerotrain.protocols import VaeFacts
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from zerotrain.protocols import FlowObjective, ModelSpec
+
+# QwenImage21Pipeline's fallbacks for calculate_shift, and dynamic shifting, as its __call__ passes mu.
+QWEN21_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True,
+                    "time_shift_type": "exponential", "base_image_seq_len": 256, "max_image_seq_len": 4096,
+                    "base_shift": 0.5, "max_shift": 1.15}
+# Every image slot of the text encoder's sequence stands for 2x2 latent tokens.
+SLOT = 2
+# The VAE's 16x: QwenImage21Pipeline.vae_scale_factor.
+VAE_SCALE = 16
+# Qwen3-VL's tokens around an image, which the processor and the pipeline's template use.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# AutoencoderKLQwenImage21's defaults (the published VAE), when a vae/config.json omits them.
+_VAE_DEFAULTS = {"z_dim": 64, "dim_mult": [1, 2, 4, 8, 8]}
+_MLP_PARTS = ("img_mlp.gate_layer", "img_mlp.proj")  # fused into ComfyUI's img_mlp.gate_up, gate rows first
+
+
+def tokens(grid: torch.Tensor) -> torch.Tensor:
+    """Latents (B, C, h, w) as the transformer's tokens (B, h * w, C): QwenImage21Pipeline._pack_latents."""
+    return grid.flatten(2).transpose(1, 2)
+
+
+def image_mask(text_rows: int, height: int, width: int, batch: int, device: Any = "cpu") -> torch.Tensor:
+    """img_mask (B, text_rows + h w / 4) bool for text-to-image: the text's rows, then one slot per 2x2 target
+    latent tokens, as the pipeline appends them (append_target_slots)."""
+    import torch
+
+    if height % SLOT or width % SLOT:
+        raise ValueError(f"image_mask: latents {height}x{width} are not a multiple of {SLOT}")
+    slots = height * width // (SLOT * SLOT)
+    row = torch.cat([torch.zeros(text_rows, dtype=torch.bool), torch.ones(slots, dtype=torch.bool)])
+    return row.to(device).expand(batch, -1)
+
+
+def joint_inputs(image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor | None, height: int, width: int,
+                 timestep: torch.Tensor, mask_device: Any) -> dict[str, Any]:
+    """The transformer's arguments for target tokens (B, h w, C) and text rows (B, n, D) of which `valid` marks
+    each caption's (None: every row): img_mask on `mask_device` (the host for the planner's trace)."""
+    b = image.shape[0]
+    return {"hidden_states": image, "encoder_hidden_states": text, "encoder_hidden_states_mask": valid,
+            "timestep": timestep, "img_shapes": [[(1, height, width)]] * b,
+            "img_mask": image_mask(text.shape[1], height, width, b, mask_device)}
+
+
+def load_processor(folder: Path | str) -> Any:
+    """The folder's processor/ (a Qwen3VLProcessor's files) as text_processor builds it, without torchvision."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from zerotrain.families.flux3 import text_processor
+
+    return text_processor(AutoTokenizer.from_pretrained(folder, subfolder="processor"),
+                          Qwen2VLImageProcessorPil.from_pretrained(folder, subfolder="processor"))
+
+
+class QwenImage21(BaseFamily):
+    name = "qwen_image21"
+    title = "Qwen-Image 2.1"
+    denoiser_classes = ("QwenImage21Transformer2DModel",)
+    vae_class = "AutoencoderKLQwenImage21"
+    pipeline = "QwenImage21Pipeline"
+    text_components = (("processor", "text_encoder"),)
+    text_outputs = ("prompt_embeds", "prompt_embeds_mask")
+    default_text_tokens = 512
+    # Every block's attention projections (the community LoRAs' targets: the released checkpoints fuse the MLP's
+    # gate and up projections, which a LoRA of diffusers' names misses there).
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    # QwenImage21Pipeline.__call__'s true_cfg_scale: 1, no guidance (classifier-free, with a negative prompt, above 1).
+    default_guidance = 1.0
+    classifier_free_guidance = True
+    default_in_channels = 64
+    shift_defaults: ClassVar[dict[str, float]] = {key: QWEN21_SCHEDULER[key] for key in
+                                                  ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")}
+    joint_output = True
+    target_last = True
+
+    # --- the model and its latents -----------------------------------------------------------------
+
+    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
+        return VaeFacts(VAE_SCALE, self.latent_channels(config, "config"), None, None)
+
+    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
+        vae = {**_VAE_DEFAULTS, **vae_config}
+        return VaeFacts(2 ** (len(vae["dim_mult"]) - 1), int(vae["z_dim"]), None, None)
+
+    def pixel_factor(self, spec: ModelSpec) -> int:
+        """The VAE's 16 pixels a token times the 2x2 tokens of an image slot: 32, as the pipeline rounds sizes."""
+        return spec.vae_scale_factor * SLOT
+
+    def image_tokens(self, spec: ModelSpec, resolution: int) -> int:
+        side = resolution // spec.vae_scale_factor
+        return side * side
+
+    def vae_downsampling(self, vae: Any) -> int:
+        return 2 ** (len(vae.config.dim_mult) - 1)
+
+    def vae_latent_channels(self, vae: Any) -> int:
+        return int(vae.config.z_dim)
+
+    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
+        """The posterior of opaque RGBA one-frame videos (B, 4, 1, H, W), the frame axis dropped."""
+        import torch
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        pixels = pixels.to(device=vae.device, dtype=vae.dtype)
+        rgba = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+        parameters = vae.encode(rgba.unsqueeze(2)).latent_dist.parameters
+        if parameters.ndim != 5 or parameters.shape[2] != 1:
+            raise AssertionError(f"AutoencoderKLQwenImage21: expected (B, 2C, 1, h, w) moments, got {tuple(parameters.shape)}")
+        return DiagonalGaussianDistribution(parameters.squeeze(2))
+
+    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        """(z - latents_mean) / latents_std per channel, as the pipeline encodes condition images."""
+        return (latents - _channel_view(vae.config.latents_mean, latents)) / _channel_view(vae.config.latents_std, latents)
+
+    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
+        return std / _channel_view(vae.config.latents_std, std)
+
+    # --- loading -----------------------------------------------------------------------------------
+
+    def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: Any, skipped: dict[str, None]) -> Any:
+        """The pipeline around the folder's VAE, Qwen3-VL and processor (load_processor), loaded one by one: the
+        pipeline's own from_pretrained builds the processor only with torchvision."""
+        from diffusers import AutoencoderKLQwenImage21
+        from transformers import Qwen3VLForConditionalGeneration
+
+        return pipeline_class(scheduler=None, transformer=None, processor=load_processor(folder),
+                              vae=AutoencoderKLQwenImage21.from_pretrained(folder, subfolder="vae", torch_dtype=dtype),
+                              text_encoder=Qwen3VLForConditionalGeneration.from_pretrained(
+                                  folder, subfolder="text_encoder", dtype=dtype))
+
+    # --- conditioning ------------------------------------------------------------------------------
+
+    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
+        """prompt_embeds (B, text_tokens, hidden): each caption's rows from the pipeline's encode_prompt,
+        zero-padded at the end; prompt_embeds_mask (B, text_tokens), 1 on them."""
+        import torch
+
+        check_tokens(text_tokens, 1, pipeline.text_encoder.config.get_text_config().max_position_embeddings,
+                     f"Qwen3-VL's positions for {self.title}")
+        embeds, mask, _ = pipeline.encode_prompt(list(captions), device=device)
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        for caption, count in zip(captions, mask.sum(dim=1).tolist(), strict=True):
+            if count > text_tokens:
+                shown = caption if len(caption) <= 60 else caption[:57] + "..."
+                raise ZerotrainError(f"the caption '{shown}' is {count} tokens in {self.title}'s template, above "
+                                     f"data.text_tokens={text_tokens} (the pipeline does not truncate); raise "
+                                     "data.text_tokens or shorten the caption")
+        if embeds.shape[1] < text_tokens:
+            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, text_tokens - embeds.shape[1]))
+            mask = torch.nn.functional.pad(mask, (0, text_tokens - mask.shape[1]))
+        return compact_rows(embeds[:, :text_tokens], mask[:, :text_tokens], text_tokens)
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        b, _, h, w = x_t.shape
+        text = batch["prompt_embeds"]
+        if text.ndim != 3 or text.shape[0] != b:
+            raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
+        text, valid = trim_rows(text, batch["prompt_embeds_mask"])
+        dtype = objective.model_dtype
+        # The pipeline passes timestep / 1000 = sigma in the latents' dtype, and no mask when nothing is padded.
+        kwargs = joint_inputs(tokens(x_t).to(dtype), text.to(dtype), None if bool(valid.all()) else valid, h, w,
+                              sigma.to(dtype), x_t.device)
+        return kwargs, tokens(target)
+
+    def target_layout(self, latents: Any) -> Any:
+        return tokens(latents)
+
+    def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
+                       device: Any, dtype: Any) -> dict[str, Any]:
+        """Every caption text_tokens long; img_mask on the host (HostMetadataMode lets a meta trace read it)."""
+        config = spec.config
+        tensor = meta_or_random(device, dtype)
+        h, w = height // spec.vae_scale_factor, width // spec.vae_scale_factor
+        return joint_inputs(tensor(batch, h * w, int(config.get("in_channels", self.default_in_channels))),
+                            tensor(batch, text_tokens, int(config.get("context_in_dim", 4096))), None, h, w,
+                            example_timestep(tensor, batch, device), "cpu")
+
+    # --- validation images -------------------------------------------------------------------------
+
+    def pipeline_kwargs(self, spec: ModelSpec, folder: Path) -> dict[str, Any]:
+        """The folder's sample_sigmas (model_index.json): the steps its authors fixed, if any."""
+        return {"sample_sigmas": model_index(folder, self.title).get("sample_sigmas")}
+
+    def validation_pipeline(self, spec: ModelSpec, folder: Path, components: dict[str, Any], device: Any) -> Any:
+        """QwenImage21Pipeline with the folder's processor, which its constructor reads (the text encoder stays
+        unloaded: validation passes cached text)."""
+        import diffusers
+
+        return diffusers.QwenImage21Pipeline(**{**components, "processor": load_processor(folder)})
+
+    def validation_kwargs(self, embeds: dict[str, Any], negative: dict[str, Any] | None, guidance_scale: float) -> dict[str, Any]:
+        """Each prompt's own rows and its mask; guidance is true_cfg_scale."""
+        text, mask = trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
+        kwargs: dict[str, Any] = {"prompt_embeds": text, "prompt_embeds_mask": mask, "true_cfg_scale": guidance_scale}
+        if negative is not None:
+            text, mask = trim_rows(negative["prompt_embeds"], negative["prompt_embeds_mask"])
+            kwargs.update({"negative_prompt_embeds": text, "negative_prompt_embeds_mask": mask})
+        return kwargs
+
+    # --- export ------------------------------------------------------------------------------------
+
+    def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
+        """"diffusion_model." + the module path with lora_A / lora_B / alpha (ComfyUI scales by alpha / rank);
+        a block's gate_layer and proj as one img_mlp.gate_up adapter (gate rows first, twice the rank, twice the
+        alpha: the same scale on each)."""
+        import torch
+
+        modules = dict(model.named_modules())
+        out: dict[str, Any] = {}
+        for module, (down, up) in pairs.items():
+            block, _, part = module.rpartition(".img_mlp.")
+            if part:
+                parts = tuple(f"{block}.{name}" for name in _MLP_PARTS)
+                if module != parts[0] and parts[0] in pairs:
+                    continue
+                if not all(name in pairs for name in parts):
+                    raise ZerotrainError(f"{self.title} module {module}: ComfyUI fuses img_mlp.gate_layer and "
+                                         "img_mlp.proj into one gate_up, so a LoRA there must adapt both (or neither); "
+                                         "export without --comfyui, or train both")
+                down, up, rank = fuse_lora(modules, pairs, parts, f"{self.title} {block}.img_mlp.gate_up")
+                name, scale = f"diffusion_model.{block}.img_mlp.gate_up", down.shape[0] // rank
+            else:
+                name, scale = f"diffusion_model.{module}", 1
+            out[f"{name}.lora_A.weight"] = down.contiguous()
+            out[f"{name}.lora_B.weight"] = up.contiguous()
+            out[f"{name}.alpha"] = torch.tensor(float(alpha) * scale, dtype=torch.float32)
+        return out
+
+    def comfyui_model(self, weights: dict[str, Any]) -> dict[str, Any]:
+        """Diffusers' names with each block's gate_layer and proj concatenated into img_mlp.gate_up (gate rows
+        first), the layout diffusers' single-file converter splits."""
+        import torch
+
+        out: dict[str, Any] = {}
+        for key, tensor in weights.items():
+            if key.endswith(".img_mlp.proj.weight"):
+                continue
+            if key.endswith(".img_mlp.gate_layer.weight"):
+                up = weights.get(key.replace("gate_layer", "proj"))
+                if up is None:
+                    raise ZerotrainError(f"{self.title} weights lack {key.replace('gate_layer', 'proj')}, needed for gate_up")
+                out[key.replace("gate_layer", "gate_up")] = torch.cat([tensor, up], dim=0)
+            else:
+                out[key] = tensor
+        return out
+
+    # --- the tiny model ----------------------------------------------------------------------------
+
+    def tiny_components(self, denoiser: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """A Qwen3-VL (ForConditionalGeneration, as the pipeline loads it) as wide as context_in_dim, two layers,
+        a Qwen tokenizer with Qwen3-VL's vision tokens and a chat template for the pipeline's system message,
+        the processor without its video processor, and the scheduler the pipeline's fallbacks describe."""
+        from transformers import Qwen3VLForConditionalGeneration
+
+        from zerotrain.families.flux3 import text_processor
+        from zerotrain.families.ideogram4 import QWEN3_VL_TEXT_TEMPLATE
+        from zerotrain.families.krea2 import qwen3_vl_config
+        from zerotrain.models import tiny_parts as tiny
+
+        template = ("<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n"
+                    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+        tokenizer = tiny.qwen2_tokenizer(template, (*tiny.QWEN_SPECIALS, *VISION_TOKENS), QWEN3_VL_TEXT_TEMPLATE)
+        width = int(denoiser["context_in_dim"])
+        return TinyPipeline, {
+            "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(QWEN21_SCHEDULER),
+            "text_encoder": tiny.seeded("text_encoder", Qwen3VLForConditionalGeneration,
+                                        qwen3_vl_config(tokenizer, width, 2)),
+            "processor": text_processor(tokenizer),
+            "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config, denoiser),
+        }
+
+
+class TinyPipeline:
+    """QwenImage21Pipeline(**components) whose save_pretrained records the processor as the Qwen3VLProcessor it is
+    (text_processor's class lives in zerotrain)."""
+
+    def __init__(self, **components: Any) -> None:
+        import diffusers
+
+        self.pipeline = diffusers.QwenImage21Pipeline(**components)
+
+    def save_pretrained(self, folder: Any, **kwargs: Any) -> None:
+        import json
+        from pathlib import Path
+
+        self.pipeline.save_pretrained(folder, **kwargs)
+        path = Path(folder) / "model_index.json"
+        index = json.loads(path.read_text(encoding="utf-8"))
+        index["processor"] = ["transformers", "Qwen3VLProcessor"]
+        path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+FAMILY = QwenImage21()
