@@ -262,22 +262,18 @@ class QwenImage21(BaseFamily):
 
     def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
         """"diffusion_model." + the module path with lora_A / lora_B / alpha (ComfyUI scales by alpha / rank);
-        a block's gate_layer and proj as one img_mlp.gate_up adapter (gate rows first, twice the rank, twice the
-        alpha: the same scale on each)."""
+        a block's gate_layer and proj as one img_mlp.gate_up adapter (gate rows first; with both adapted, twice the
+        rank and twice the alpha: the same scale on each; with one, zero rows for the other)."""
         import torch
 
         modules = dict(model.named_modules())
         out: dict[str, Any] = {}
         for module, (down, up) in pairs.items():
-            block, _, part = module.rpartition(".img_mlp.")
-            if part:
+            block, sep, part = module.partition(".img_mlp.")
+            if sep and f"img_mlp.{part}" in _MLP_PARTS:
                 parts = tuple(f"{block}.{name}" for name in _MLP_PARTS)
-                if module != parts[0] and parts[0] in pairs:
-                    continue
-                if not all(name in pairs for name in parts):
-                    raise ZerotrainError(f"{self.title} module {module}: ComfyUI fuses img_mlp.gate_layer and "
-                                         "img_mlp.proj into one gate_up, so a LoRA there must adapt both (or neither); "
-                                         "export without --comfyui, or train both")
+                if module != next(name for name in parts if name in pairs):
+                    continue  # fused with the block's first adapted part
                 down, up, rank = fuse_lora(modules, pairs, parts, f"{self.title} {block}.img_mlp.gate_up")
                 name, scale = f"diffusion_model.{block}.img_mlp.gate_up", down.shape[0] // rank
             else:

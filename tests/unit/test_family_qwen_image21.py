@@ -1,0 +1,294 @@
+"""Qwen-Image 2.1 (zerotrain/families/qwen_image21.py) against diffusers' own QwenImage21Pipeline, its scheduler
+and single-file converter: the catalog counts, planning (a meta trace of a transformer that derives its layout on
+the host), the tiny folder (its processor without torchvision), the cached text against encode_prompt, the
+latents against the pipeline's RGBA VAE encode, the training forward against the pipeline's own transformer call
+(hooked), the loss on the sequence's last rows, the shift, validation renders and the ComfyUI exports.
+
+The tiny VAE downsamples 16x as the published one: 64 px are 4x4 latent tokens, 4 image slots."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+from peft import LoraConfig, get_peft_model_state_dict
+from PIL import Image
+from safetensors.torch import save_file
+
+from tests.unit.test_sampling import make_validator
+from tests.unit.tiny_family import bare_config, gen, plan_json, spec_of, tiny_fixtures
+from zerotrain.config import RunConfig
+from zerotrain.config.sections import ObjectiveConfig
+from zerotrain.errors import ZerotrainError
+from zerotrain.export import comfyui_lora_state_dict
+from zerotrain.families import example_inputs
+from zerotrain.families.qwen_image21 import FAMILY, QWEN21_SCHEDULER, load_processor, tokens
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
+from zerotrain.objectives import flow_interpolate, flow_target, make_objective
+from zerotrain.planner.measure import measure_model
+
+# sum(p.numel() for p in model.parameters()) on the meta device (diffusers 0.42.1).
+PARAMETERS = {"qwen-image-2.1": 7_115_124_736, "tiny-qwen-image21": 43_360}
+CAPTIONS = ["a red chair", "An oil painting of mountains at sunset, warm light on the lake!"]
+TEXT_TOKENS = 40
+SIDE = 64
+GRID = SIDE // 16  # 4x4 tokens
+
+
+root, folder, _, encoders = tiny_fixtures("tiny-qwen-image21", "QwenImage21Pipeline")
+
+
+@pytest.fixture(scope="module")
+def pipeline(folder):
+    """QwenImage21Pipeline from the tiny folder, its processor built without torchvision (load_processor)."""
+    pipe = QwenImage21Pipeline.from_pretrained(folder, processor=load_processor(folder))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def cached_batch(encoders, n: int = 2) -> dict[str, torch.Tensor]:
+    shape = (n, 4, GRID, GRID)
+    text = encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)
+    return {"latent_mean": torch.randn(shape, generator=gen(1)), "latent_std": torch.zeros(shape),
+            **{name: value.repeat(n // 2, *[1] * (value.ndim - 1)) for name, value in text.items()}}
+
+
+def objective_of(folder, **config):
+    return make_objective(spec_of(folder), FAMILY.scheduler_config(folder), ObjectiveConfig(**config), SIDE)
+
+
+# --- catalog and planning ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_catalog_entry_builds_on_meta_with_the_published_count(name):
+    spec = spec_of(name)
+    assert (spec.family, spec.class_name) == ("qwen_image21", "QwenImage21Transformer2DModel")
+    with torch.device("meta"):
+        model = QwenImage21Transformer2DModel.from_config(spec.config)
+    assert sum(p.numel() for p in model.parameters()) == PARAMETERS[name]
+    # 16 px a latent token, 32 px an image slot (2x2 tokens): the pipeline rounds sizes to 32.
+    assert (spec.vae_scale_factor, FAMILY.pixel_factor(spec), FAMILY.image_tokens(spec, 1024)) == (16, 32, 4096)
+
+
+def test_the_published_config_is_the_class_defaults():
+    defaults = {k: list(p.default) if isinstance(p.default, tuple) else p.default
+                for k, p in inspect.signature(QwenImage21Transformer2DModel.__init__).parameters.items() if k != "self"}
+    assert {k: v for k, v in spec_of("qwen-image-2.1").config.items() if not k.startswith("_")} == defaults
+
+
+def test_plans_a_lora_at_1024_on_a_24gb_card_with_the_shipped_facts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert plan_json(capsys, "qwen-image-2.1", "--resolution", "1024", "--gpus", "1xRTX4090-24GB",
+                     "--mode", "lora")["chosen"]["fits"] is True
+    run = RunConfig(model={"name_or_path": "qwen-image-2.1"}, training={"mode": "lora"}, data={"resolution": 1024})
+    facts = measure_model(spec_of("qwen-image-2.1"), run)
+    assert facts.cached and (facts.image_tokens, facts.text_tokens) == (4096, 512)
+
+
+def test_a_bare_published_config_json_traces_on_meta_and_lora_counts_the_attention(tmp_path, monkeypatch, capsys):
+    """The transformer builds its token layout from img_mask with nonzero and tolist: the planner's meta trace
+    keeps img_mask on the host (trace.HostMetadataMode) and traces forward and backward at full size."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = bare_config(tmp_path, spec_of("qwen-image-2.1").config)
+    assert plan_json(capsys, path, "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
+    run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
+                    data={"resolution": 1024})
+    facts = measure_model(spec_of(path), run)
+    assert not facts.cached and facts.image_tokens == 4096
+    assert facts.trainable_params == 32 * 4 * 4 * (4096 + 4096)  # q, k, v, out per block
+    assert facts.no_checkpointing.saved_bytes > 8 * facts.checkpointing.saved_bytes > 0
+
+
+# --- the tiny model and the cache ---------------------------------------------------------------------
+
+
+def test_tiny_folder_is_a_qwen_image21_pipeline_with_a_qwen3_vl_processor(folder, pipeline):
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImage21Pipeline" and index["processor"] == ["transformers", "Qwen3VLProcessor"]
+    assert {p.name for p in (folder / "processor").iterdir()} >= {"tokenizer.json", "preprocessor_config.json"}
+    assert pipeline._drop_idx == len(pipeline.processor.tokenizer(
+        "<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n")["input_ids"])
+    assert pipeline.scheduler.config.use_dynamic_shifting
+
+
+def test_cached_captions_are_encode_prompts_rows_and_a_long_one_is_one_line(pipeline, encoders):
+    cached = encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)
+    embeds, mask, image_pad = pipeline.encode_prompt(CAPTIONS, device="cpu")
+    assert cached["prompt_embeds"].shape == (2, TEXT_TOKENS, 32) and not image_pad.any()
+    for i in range(2):
+        n = int(mask[i].sum())
+        assert cached["prompt_embeds_mask"][i].tolist() == [1] * n + [0] * (TEXT_TOKENS - n)
+        torch.testing.assert_close(cached["prompt_embeds"][i, :n], embeds[i, :n])
+        assert not cached["prompt_embeds"][i, n:].any()
+    with pytest.raises(ZerotrainError, match=r"the caption 'An oil painting.*' is \d+ tokens .* above "
+                                             r"data.text_tokens=12 \(the pipeline does not truncate\)"):
+        encode_prompts(encoders, CAPTIONS, 12)
+
+
+def test_cached_latents_are_the_pipelines_rgba_encode_normalized_per_channel(pipeline, encoders):
+    """The pipeline converts a condition image to RGBA, preprocesses it and encodes the posterior's mode,
+    (z - latents_mean) / latents_std: the cache's mean for the same RGB pixels, an opaque alpha added."""
+    image = Image.fromarray((np.random.default_rng(0).random((SIDE, SIDE, 3)) * 255).astype(np.uint8))
+    rgba = pipeline.image_processor.preprocess(image.convert("RGBA"), width=SIDE, height=SIDE).unsqueeze(2)
+    with torch.no_grad():
+        theirs = pipeline._encode_vae_image(rgba, None)[:, :, 0]
+    pixels = pipeline.image_processor.preprocess(image, width=SIDE, height=SIDE)
+    moments = encode_latent_moments(encoders, pixels)
+    assert moments.mean.shape == (1, 4, GRID, GRID)
+    torch.testing.assert_close(moments.mean, theirs, rtol=1e-5, atol=1e-5)
+
+
+# --- the objective -----------------------------------------------------------------------------------
+
+
+def hooked_call(pipeline, **call):
+    """The transformer's keyword arguments in the pipeline's first denoising step."""
+    seen = []
+    handle = pipeline.transformer.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs),
+                                                           with_kwargs=True)
+    try:
+        pipeline(**call, num_inference_steps=1, output_type="latent", use_kv_cache=False)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def test_training_feeds_the_transformer_what_the_pipeline_does_and_scores_the_last_rows(pipeline, folder, encoders):
+    """For one caption and the same noisy latents and sigma: the same hidden states, text, timestep, img_shapes
+    and img_mask as the pipeline's own call; the output's last rows are the target's."""
+    objective = objective_of(folder)
+    text = encode_prompts(encoders, CAPTIONS[:1], TEXT_TOKENS)
+    x_t = torch.randn(1, 4, GRID, GRID, generator=gen(2))
+    n = int(text["prompt_embeds_mask"].sum())
+    theirs = hooked_call(pipeline, prompt_embeds=text["prompt_embeds"][:, :n], height=SIDE, width=SIDE,
+                         latents=tokens(x_t))
+    sigma = theirs["timestep"].float()
+    ours, _ = FAMILY.flow_inputs(objective, x_t, flow_target(x_t, x_t), sigma, text)
+    torch.testing.assert_close(ours["hidden_states"].float(), theirs["hidden_states"], rtol=1e-2, atol=1e-2)  # bf16
+    torch.testing.assert_close(ours["encoder_hidden_states"].float(), theirs["encoder_hidden_states"], rtol=1e-2, atol=1e-2)
+    assert ours["timestep"].dtype == objective.model_dtype
+    torch.testing.assert_close(ours["timestep"].float(), sigma, rtol=1e-2, atol=1e-3)
+    assert ours["img_shapes"] == theirs["img_shapes"] == [[(1, GRID, GRID)]]
+    assert torch.equal(ours["img_mask"], theirs["img_mask"]) and ours["encoder_hidden_states_mask"] is None
+    prepared = objective.prepare(cached_batch(encoders), gen())
+    pred = torch.randn(2, prepared.model_kwargs["img_mask"].shape[1] * 4, 4, generator=gen(3))
+    torch.testing.assert_close(objective.loss(pred, prepared),
+                               torch.nn.functional.mse_loss(pred[:, -GRID * GRID:], prepared.target))
+
+
+def test_the_shift_is_the_pipelines_mu_and_a_step_on_the_target_lands_on_the_flow(folder, encoders):
+    objective = objective_of(folder)
+    for count in (GRID * GRID, 4096):
+        mu = calculate_shift(count, 256, 4096, 0.5, 1.15)
+        assert objective.shift(count) == pytest.approx(math.exp(mu))
+    batch = cached_batch(encoders)
+    x0, noise = torch.randn(2, 4, GRID, GRID, generator=gen(2)), torch.randn(2, 4, GRID, GRID, generator=gen(3))
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN21_SCHEDULER)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4), mu=calculate_shift(GRID * GRID, 256, 4096, 0.5, 1.15))
+    scheduler.set_begin_index(0)
+    for i, timestep in enumerate(scheduler.timesteps):
+        sigma = scheduler.sigmas[i].expand(2)
+        _, target = FAMILY.flow_inputs(objective, flow_interpolate(x0, noise, sigma), flow_target(x0, noise), sigma, batch)
+        torch.testing.assert_close(target, tokens(noise - x0))
+        stepped = scheduler.step(target, timestep, tokens(flow_interpolate(x0, noise, sigma)), return_dict=False)[0]
+        torch.testing.assert_close(stepped, tokens(flow_interpolate(x0, noise, scheduler.sigmas[i + 1].expand(2))))
+
+
+def test_the_planners_inputs_run_the_model_and_training_reaches_every_parameter(folder, encoders):
+    model = QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    with torch.no_grad():
+        out = model(**example_inputs(spec_of(folder), 2, SIDE, SIDE, 12, "cpu", torch.float32), return_dict=False)[0]
+    assert out.shape == (2, 12 + GRID * GRID, 4)
+    model.train()
+    objective = objective_of(folder)
+    prepared = objective.prepare(cached_batch(encoders), gen())
+    objective.loss(model(**prepared.model_kwargs, return_dict=False)[0], prepared).backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+
+
+# --- validation ----------------------------------------------------------------------------------------
+
+
+def test_validation_renders_what_the_pipeline_renders_from_the_prompt(root, pipeline, tmp_path):
+    prompt = CAPTIONS[0]
+    _, _, validator = make_validator(root, "tiny-qwen-image21", f"validation.prompts=['{prompt}']", "validation.seeds=[3]")
+    assert not validator.cfg and validator.guidance_scale == 1.0
+    path = validator.render(pipeline.transformer, 0, tmp_path)[0]
+    with Image.open(path) as image:  # the model renders RGBA (its VAE decodes an alpha channel), kept as it is
+        assert (image.mode, image.size, image.text["prompt"]) == ("RGBA", (SIDE, SIDE), prompt)
+        rendered = np.asarray(image).astype(np.int16)
+    assert rendered.std() > 5.0
+    direct = pipeline(prompt, height=SIDE, width=SIDE, num_inference_steps=2, generator=gen(3)).images[0]
+    assert np.abs(rendered - np.asarray(direct).astype(np.int16)).max() <= 1
+
+
+# --- export --------------------------------------------------------------------------------------------
+
+
+def adapted(folder, targets, rank: int = 4):
+    model = QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=8.0, target_modules=targets, init_lora_weights="gaussian"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(generator=gen(7))
+    return model
+
+
+def test_comfyui_lora_names_the_modules_and_fuses_gate_and_up(folder, pipeline):
+    rank, alpha = 4, 8.0
+    model = adapted(folder, [*FAMILY.lora_targets, "gate_layer", "img_mlp.proj"], rank)
+    layers = get_peft_model_state_dict(model)
+    comfy = comfyui_lora_state_dict(spec_of(folder), model, layers, alpha)
+    fused = "diffusion_model.transformer_blocks.1.img_mlp.gate_up"
+    assert {"diffusion_model.transformer_blocks.0.attn.to_q.lora_A.weight", f"{fused}.lora_B.weight"} <= comfy.keys()
+    assert not any("gate_layer" in key or ".img_mlp.proj." in key for key in comfy)
+    # ComfyUI's gate_up is gate rows over up rows: the fused adapter's update is the two updates stacked.
+    for part in ("gate_layer", "proj"):
+        assert f"transformer_blocks.1.img_mlp.{part}.lora_A.weight" in layers
+    update = comfy[f"{fused}.lora_B.weight"] @ comfy[f"{fused}.lora_A.weight"] * (float(comfy[f"{fused}.alpha"]) / (2 * rank))
+    expected = torch.cat([layers[f"transformer_blocks.1.img_mlp.{part}.lora_B.weight"]
+                          @ layers[f"transformer_blocks.1.img_mlp.{part}.lora_A.weight"] for part in ("gate_layer", "proj")]) * (alpha / rank)
+    torch.testing.assert_close(update, expected, rtol=1e-5, atol=1e-6)
+    # The attention adapters load into the pipeline with diffusers' Qwen-Image loader, as the same update.
+    attention = {k: v for k, v in comfy.items() if ".attn." in k}
+    state = QwenImage21Pipeline.lora_state_dict(dict(attention))
+    state = state[0] if isinstance(state, tuple) else state
+    module = "transformer_blocks.0.attn.to_q"
+    got = state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"]  # alpha folded in
+    torch.testing.assert_close(got, layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank))
+    pipeline.load_lora_weights(dict(attention), adapter_name="comfy")
+    pipeline.delete_adapters("comfy")
+
+
+def test_a_gate_alone_fuses_with_zero_up_rows(folder):
+    model = adapted(folder, ["gate_layer"])
+    layers = get_peft_model_state_dict(model)
+    comfy = comfyui_lora_state_dict(spec_of(folder), model, layers, 8.0)
+    fused = "diffusion_model.transformer_blocks.0.img_mlp.gate_up"
+    update = comfy[f"{fused}.lora_B.weight"] @ comfy[f"{fused}.lora_A.weight"]
+    gate = layers["transformer_blocks.0.img_mlp.gate_layer.lora_B.weight"] @ layers["transformer_blocks.0.img_mlp.gate_layer.lora_A.weight"]
+    assert float(comfy[f"{fused}.alpha"]) == 8.0 and update.shape[0] == 2 * gate.shape[0]
+    torch.testing.assert_close(update[:gate.shape[0]], gate)
+    assert not update[gate.shape[0]:].any()
+
+
+def test_the_full_comfyui_model_fuses_gate_and_up_and_diffusers_reads_it_back(folder, tmp_path):
+    model = QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    weights = dict(model.state_dict())
+    comfy = FAMILY.comfyui_model(weights)
+    assert "transformer_blocks.0.img_mlp.gate_up.weight" in comfy and "txt_in.text_norm.weight" in comfy
+    assert not any("gate_layer" in key or "img_mlp.proj" in key for key in comfy)
+    save_file({k: v.contiguous() for k, v in comfy.items()}, tmp_path / "qwen21.safetensors")
+    loaded = QwenImage21Transformer2DModel.from_single_file(str(tmp_path / "qwen21.safetensors"), config=str(folder),
+                                                            subfolder="transformer", torch_dtype=torch.float32)
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, weights[key]), key
