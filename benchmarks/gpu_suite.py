@@ -8,7 +8,7 @@
 Each case is one `zerotrain calibrate` process (random weights, no download; a fresh CUDA context
 per case) on a reduced-depth, full-width model at 1024px:
 - flux-dev and sdxl-base, full and LoRA: ZeRO 0-3 x checkpointing on/off x micro-batch 1, 2, 4;
-- the newer families (qwen-image, flux2-dev, z-image, chroma, krea-2-raw, ideogram-4, flux3-klein-base), LoRA: the star around each plan;
+- the newer families (qwen-image, flux2-dev, z-image, chroma, krea-2-raw, ideogram-4, flux3-klein-base, qwen-image-2.1), LoRA: the star around each plan;
 - the memory floor on 8-block flux-dev (3 double- and 5 single-stream blocks), full fine-tune at
   ZeRO-2: 0, 2, 4 and 8 of its blocks checkpointed, activation offload, each optimizer
   (adamw-bf16, adamw-8bit, adafactor) and compiled blocks (the speed-up the plan does not count
@@ -55,7 +55,7 @@ def cases(tiny: bool) -> list[dict]:
         for mode in ("full", "lora"):
             out.append({"name": f"{model} {blocks} blocks {mode}", "limit": 240,
                         "args": ["--model", model, "--blocks", str(blocks), "--mode", mode, "--grid", "full", *GRID]})
-    for model in ("qwen-image", "flux2-dev", "z-image", "chroma", "krea-2-raw", "ideogram-4", "flux3-klein-base"):
+    for model in ("qwen-image", "flux2-dev", "z-image", "chroma", "krea-2-raw", "ideogram-4", "flux3-klein-base", "qwen-image-2.1"):
         out.append({"name": f"{model} 2 blocks lora", "limit": 150,
                     "args": ["--model", model, "--blocks", "2", "--mode", "lora", "--grid", "star", *GRID]})
     # The memory floor (issue 14) on 8-block Flux-dev (--blocks 8 shares them 3 double + 5 single),

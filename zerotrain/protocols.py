@@ -307,6 +307,11 @@ class Family(Protocol):
         model."""
         ...
 
+    def no_references(self, spec: ModelSpec) -> str:
+        """Why a model with max_references 0 takes none, for the one line that stops a run with controls:
+        "takes no reference images" (a text-to-image model) by default."""
+        ...
+
     def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
                        area: int | None) -> tuple[int, int]:
         """The (width, height) in pixels a reference is encoded at, as the pipeline sizes it, for a

@@ -95,7 +95,7 @@ def test_every_case_plans_and_covers_the_suites_layouts(tmp_path):
         grid = {(a["stage"], a["gradient_checkpointing"], a["micro_batch"]) for a in layouts(f"{model} {mode}")}
         assert grid >= set(itertools.product(range(4), (False, True), (1, 2, 4))), (model, mode, grid)
     # Each newer family's LoRA, with and without checkpointing (issue 13: Qwen-Image LoRA unchecked).
-    for model in ("qwen-image", "flux2-dev", "z-image", "chroma", "krea-2-raw", "ideogram-4", "flux3-klein-base"):
+    for model in ("qwen-image", "flux2-dev", "z-image", "chroma", "krea-2-raw", "ideogram-4", "flux3-klein-base", "qwen-image-2.1"):
         assert {a["gradient_checkpointing"] for a in layouts(f"{model} 2 blocks lora")} == {False, True}, model
         assert "--mode lora" in cases[f"{model} 2 blocks lora"]["command"]
     # The memory floor: 0, 2, 4 and 8 of 8 blocks checkpointed, activation offload, each optimizer, compiled.

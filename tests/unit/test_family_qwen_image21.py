@@ -106,6 +106,18 @@ def test_a_bare_published_config_json_traces_on_meta_and_lora_counts_the_attenti
     assert facts.no_checkpointing.saved_bytes > 8 * facts.checkpointing.saved_bytes > 0
 
 
+def test_references_stop_with_one_line_that_says_why(tmp_path, monkeypatch, capsys):
+    """Qwen-Image 2.1 edits, but its text encoder reads the condition images with the caption: until the cache
+    encodes them together, a plan (or run) with references stops with one line saying so."""
+    from zerotrain.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["plan", "--model", "qwen-image-2.1", "--references", "1", "--gpus", "1xH100-80GB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "data.references: 1 reference images, but qwen-image-2.1 (QwenImage21Pipeline) edits " \
+        "with condition images that its text encoder reads with the caption" in err, err
+
+
 # --- the tiny model and the cache ---------------------------------------------------------------------
 
 

@@ -160,8 +160,8 @@ def check_references(discovery: Discovery, spec: ModelSpec) -> None:
     for dataset, count in sorted(counts.items()):
         if count and not most:
             raise ZerotrainError(f"data.datasets[{dataset}]: {count} control image(s) per target, but "
-                                 f"{spec.name} ({family.pipeline_name(spec)}) takes no reference images; remove "
-                                 "its controls, or train an edit model (flux-kontext-dev, FLUX.2)")
+                                 f"{spec.name} ({family.pipeline_name(spec)}) {family.no_references(spec)}; remove "
+                                 "its controls, or train an edit model (flux-kontext-dev, FLUX.2, FLUX.3 [klein])")
         if count > most:
             raise ZerotrainError(f"data.datasets[{dataset}]: {count} control images per target, but "
                                  f"{family.pipeline_name(spec)} takes at most {most}; give each target fewer")

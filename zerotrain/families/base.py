@@ -191,9 +191,12 @@ class BaseFamily:
     def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
         raise self._no_references(spec)
 
+    def no_references(self, spec: ModelSpec) -> str:
+        return "takes no reference images"
+
     def _no_references(self, spec: ModelSpec) -> ZerotrainError:
-        return ZerotrainError(f"model.name_or_path='{spec.name}': {self.title} ({self.pipeline_name(spec)}) takes no "
-                              "reference images; train an edit model, or remove the controls")
+        return ZerotrainError(f"model.name_or_path='{spec.name}': {self.title} ({self.pipeline_name(spec)}) "
+                              f"{self.no_references(spec)}; train an edit model, or remove the controls")
 
     # --- validation images -------------------------------------------------------------------------
 

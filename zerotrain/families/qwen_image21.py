@@ -228,13 +228,26 @@ class QwenImage21(BaseFamily):
 
     def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
                        device: Any, dtype: Any) -> dict[str, Any]:
-        """Every caption text_tokens long; img_mask on the host (HostMetadataMode lets a meta trace read it)."""
+        """Every caption text_tokens long; img_mask on the device, or on the host for a meta trace
+        (HostMetadataMode lets it read the mask there)."""
+        import torch
+
         config = spec.config
         tensor = meta_or_random(device, dtype)
         h, w = height // spec.vae_scale_factor, width // spec.vae_scale_factor
         return joint_inputs(tensor(batch, h * w, int(config.get("in_channels", self.default_in_channels))),
                             tensor(batch, text_tokens, int(config.get("context_in_dim", 4096))), None, h, w,
-                            example_timestep(tensor, batch, device), "cpu")
+                            example_timestep(tensor, batch, device),
+                            "cpu" if torch.device(device).type == "meta" else device)
+
+    # --- references --------------------------------------------------------------------------------
+
+    def no_references(self, spec: ModelSpec) -> str:
+        """The pipeline edits, but its text encoder reads each condition image with the caption, so an edit
+        sample's text depends on its images: the cache encodes captions alone, so zerotrain trains Qwen-Image
+        2.1 as text-to-image only, for now."""
+        return ("edits with condition images that its text encoder reads with the caption, which zerotrain's "
+                "cache does not encode yet (it trains Qwen-Image 2.1 as text-to-image)")
 
     # --- validation images -------------------------------------------------------------------------
 

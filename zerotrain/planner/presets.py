@@ -103,6 +103,14 @@ PRESETS: dict[str, list[str]] = {
     "flux3-klein-base-full-adamw-bf16-1xRTX4090-24GB.json": [
         "--model", "flux3-klein-base", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "full",
         "--global-batch", "8", "--set", "optimizer.name=auto"],
+    # Qwen-Image 2.1 (issue 26): a LoRA, and the full fine-tune on the same card and its 64 GiB host with
+    # optimizer auto (adamw-bf16; fp32 AdamW fits neither one RTX 4090 nor one A100-80GB with their hosts).
+    "qwen-image-2.1-lora-1xRTX4090-24GB.json": [
+        "--model", "qwen-image-2.1", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora",
+        "--global-batch", "4"],
+    "qwen-image-2.1-full-adamw-bf16-1xRTX4090-24GB.json": [
+        "--model", "qwen-image-2.1", "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "full",
+        "--global-batch", "8", "--set", "optimizer.name=auto"],
 }
 
 ROOT = Path(__file__).resolve().parents[2] / "deepspeed_configs"

@@ -35,7 +35,8 @@ def plan_references(spec: ModelSpec, run: RunConfig) -> list[tuple[int, int]]:
         field = "data.references" if given >= found else "data.datasets' controls"
         if not family.max_references(spec):
             raise ZerotrainError(f"{field}: {count} reference images, but {spec.name} ({family.pipeline_name(spec)}) "
-                                 "takes none; plan an edit model (flux-kontext-dev, FLUX.2), or drop the references")
+                                 f"{family.no_references(spec)}; plan an edit model (flux-kontext-dev, FLUX.2, "
+                                 "FLUX.3 [klein]), or drop the references")
         raise ZerotrainError(f"{field}: {count} reference images, but {family.pipeline_name(spec)} takes at most "
                              f"{family.max_references(spec)}")
     side = run.data.resolution
