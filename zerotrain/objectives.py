@@ -274,7 +274,7 @@ def target_tokens(pred: torch.Tensor, target: torch.Tensor, last: bool = False) 
     if pred.ndim != 3 or target.ndim != 3 or pred.shape[0] != target.shape[0] or pred.shape[2] != target.shape[2] \
             or pred.shape[1] < target.shape[1]:
         raise ValueError(f"target_tokens: an edit prediction {tuple(pred.shape)} does not hold the target's "
-                         f"{tuple(target.shape)} tokens first")
+                         f"{tuple(target.shape)} tokens")
     return pred[:, pred.shape[1] - target.shape[1]:] if last else pred[:, :target.shape[1]]
 
 

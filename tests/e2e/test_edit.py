@@ -272,7 +272,7 @@ def test_the_planner_refuses_references_a_model_cannot_take(capsys, tmp_path):
 
     facts = f"planner.cache_dir={tmp_path}"
     assert main(["plan", "--model", "flux-dev", "--references", "1", "--gpus", "1xH100-80GB", "--set", facts]) == 2
-    assert "data.references: 1 reference images, but flux-dev (FluxPipeline) takes none" in capsys.readouterr().err
+    assert "data.references: 1 reference images, but flux-dev (FluxPipeline) takes no reference images" in capsys.readouterr().err
     assert main(["plan", "--model", "flux-kontext-dev", "--references", "2", "--gpus", "1xH100-80GB", "--set", facts]) == 2
     assert "data.references: 2 reference images, but FluxKontextPipeline takes at most 1" in capsys.readouterr().err
 
