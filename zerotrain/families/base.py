@@ -365,6 +365,16 @@ def trim_rows(text: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, tor
     return text[:, :length], valid[:, :length]
 
 
+def caption_too_long(caption: str, count: int, text_tokens: int, where: str, note: str = "",
+                     most: int | None = None) -> ZerotrainError:
+    """The one line for a caption of `count` tokens (in `where`: "FLUX.3's chat template") above
+    data.text_tokens, for a pipeline that does not cut it (`note` says so where it never does)."""
+    shown = caption if len(caption) <= 60 else caption[:57] + "..."
+    up_to = f" (up to {most})" if most else ""
+    return ZerotrainError(f"the caption '{shown}' is {count} tokens in {where}, above data.text_tokens={text_tokens}"
+                          f"{note}; raise data.text_tokens{up_to} or shorten the caption")
+
+
 def check_tokens(text_tokens: int, low: int, high: int, what: str) -> None:
     """One line when data.text_tokens is outside what the pipeline accepts."""
     if not low <= text_tokens <= high:

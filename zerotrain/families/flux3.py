@@ -42,7 +42,13 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.base import BaseFamily, check_tokens, example_timestep, meta_or_random
+from zerotrain.families.base import (
+    BaseFamily,
+    caption_too_long,
+    check_tokens,
+    example_timestep,
+    meta_or_random,
+)
 from zerotrain.families.flux import swap_halves
 from zerotrain.families.flux2 import FAMILY as FLUX2
 from zerotrain.protocols import VaeFacts
@@ -327,10 +333,8 @@ class Flux3(BaseFamily):
                                                       add_generation_prompt=True)
             count = len(processor.tokenizer(templated)["input_ids"])
             if count > text_tokens:
-                shown = caption if len(caption) <= 60 else caption[:57] + "..."
-                raise ZerotrainError(f"the caption '{shown}' is {count} tokens in {self.title}'s chat template, above "
-                                     f"data.text_tokens={text_tokens}; raise data.text_tokens (up to "
-                                     f"{fixed['max_tokens']}) or shorten the caption")
+                raise caption_too_long(caption, count, text_tokens, f"{self.title}'s chat template",
+                                       most=fixed["max_tokens"])
             # Padded to text_tokens: the caption's rows are the pipeline's, every padded row is its padded row.
             rows = Flux3TextEncoderStep._get_qwen3_vl_prompt_embeds(
                 pipeline.text_encoder, processor, caption, device=device, max_sequence_length=text_tokens,

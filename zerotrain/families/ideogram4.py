@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     BaseFamily,
+    caption_too_long,
     check_tokens,
     compact_rows,
     example_timestep,
@@ -231,10 +232,8 @@ class Ideogram4(BaseFamily):
         for caption in captions:
             count = chat_tokens(pipeline.tokenizer, caption)
             if count > text_tokens:
-                shown = caption if len(caption) <= 60 else caption[:57] + "..."
-                raise ZerotrainError(f"the caption '{shown}' is {count} tokens in {self.title}'s chat template, above "
-                                     f"data.text_tokens={text_tokens} (the pipeline does not truncate); raise "
-                                     f"data.text_tokens (up to {MAX_TEXT_TOKENS}) or shorten the caption")
+                raise caption_too_long(caption, count, text_tokens, f"{self.title}'s chat template",
+                                       " (the pipeline does not truncate)", MAX_TEXT_TOKENS)
         features, _, _, indicator = pipeline.encode_prompt(list(captions), grid_h=1, grid_w=1,
                                                            max_sequence_length=text_tokens, device=device)
         return compact_rows(features[:, :text_tokens], indicator[:, :text_tokens] == LLM_TOKEN_INDICATOR, text_tokens)

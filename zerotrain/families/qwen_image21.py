@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     BaseFamily,
+    caption_too_long,
     check_tokens,
     compact_rows,
     example_timestep,
@@ -200,10 +201,8 @@ class QwenImage21(BaseFamily):
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         for caption, count in zip(captions, mask.sum(dim=1).tolist(), strict=True):
             if count > text_tokens:
-                shown = caption if len(caption) <= 60 else caption[:57] + "..."
-                raise ZerotrainError(f"the caption '{shown}' is {count} tokens in {self.title}'s template, above "
-                                     f"data.text_tokens={text_tokens} (the pipeline does not truncate); raise "
-                                     "data.text_tokens or shorten the caption")
+                raise caption_too_long(caption, count, text_tokens, f"{self.title}'s template",
+                                       " (the pipeline does not truncate)")
         if embeds.shape[1] < text_tokens:
             embeds = torch.nn.functional.pad(embeds, (0, 0, 0, text_tokens - embeds.shape[1]))
             mask = torch.nn.functional.pad(mask, (0, text_tokens - mask.shape[1]))
