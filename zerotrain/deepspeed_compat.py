@@ -664,6 +664,7 @@ def build_ops(builders: tuple[str, ...] = TRAINING_OPS) -> list[OpBuild]:
             reason = " ".join(probe.getvalue().split())[:200] or "its compatibility check failed"
             out.append(OpBuild(builder.name, "skipped", reason))
             continue
+        clear_stale_build_lock(builder.name)
         start = time.perf_counter()
         try:
             with contextlib.redirect_stdout(sys.stderr):
@@ -673,6 +674,34 @@ def build_ops(builders: tuple[str, ...] = TRAINING_OPS) -> list[OpBuild]:
             continue
         out.append(OpBuild(builder.name, "built", f"{time.perf_counter() - start:.0f} s"))
     return out
+
+
+# An op's build takes minutes (CPU Adam: about 5 on 2 cores); a lock older than this was left by a killed build.
+STALE_BUILD_LOCK_S = 30 * 60
+
+
+def clear_stale_build_lock(name: str, now: float | None = None) -> Path | None:
+    """Remove op `name`'s build lock (torch's FileBaton, `<extensions dir>/<name>/lock`) when it is older than
+    STALE_BUILD_LOCK_S, and say so on stderr: a build killed while compiling (Ctrl-C, a preempted node) leaves
+    it, and every later build or run that loads the op then waits on it forever, silently. A younger lock
+    belongs to a build that may be running: say whose file it is, and wait for it as torch does."""
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, False)) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age < STALE_BUILD_LOCK_S:
+        print(f"zerotrain: waiting for {lock}, another build of {name} (started {age / 60:.0f} min ago); if none "
+              "runs, delete that file", file=sys.stderr, flush=True)
+        return None
+    lock.unlink(missing_ok=True)
+    print(f"zerotrain: removed {lock}, left {age / 60:.0f} min ago by a build of {name} that did not finish",
+          file=sys.stderr, flush=True)
+    return lock
 
 
 # ---- dropping a step that ran out of memory ----

@@ -146,6 +146,9 @@ class Family(Protocol):
     target_last: ClassVar[bool]
     """The target's tokens are the output's last rows (Qwen-Image 2.1's block-causal sequence puts the
     target after the text and the references), not its first."""
+    text_reads_references: ClassVar[bool]
+    """The text encoder reads an edit sample's reference images with its caption (Qwen-Image 2.1's Qwen3-VL):
+    the cache encodes each such caption with its images (encode_prompt's images), keyed by them too."""
 
     # --- the model and its latents -----------------------------------------------------------------
 
@@ -227,7 +230,9 @@ class Family(Protocol):
         self, pipeline: Any, captions: list[str], text_tokens: int, device: torch.device
     ) -> dict[str, torch.Tensor]:
         """Text conditioning of a batch of captions through the pipeline's own encode_prompt (one image
-        per prompt, no classifier-free guidance), named as text_outputs."""
+        per prompt, no classifier-free guidance), named as text_outputs. A family whose
+        text_reads_references also takes images= (each caption's reference images, PIL at reference_size)
+        and adds image_pad_mask to its outputs."""
         ...
 
     def vae_downsampling(self, vae: Any) -> int:
@@ -327,10 +332,11 @@ class Family(Protocol):
         max_references before (the cache's check_references, the planner's plan_references)."""
         ...
 
-    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
+                         area: int | None = None) -> dict[str, Any]:
         """The pipeline __call__ arguments that give it these reference images (PIL, already at
-        reference_size), so that it encodes them at the size they are given and renders (width,
-        height) = `size`."""
+        reference_size for `area`, data.control_resolution), so that it encodes them at the size they
+        are given and renders (width, height) = `size`."""
         ...
 
     # --- validation images -------------------------------------------------------------------------

@@ -118,25 +118,39 @@ class Validator:
         self.guidance_scale = self.family.default_guidance if guidance is None else guidance
         self.cfg = self.family.classifier_free(self.guidance_scale) and self.family.takes_negative(spec, self.folder)
         self.jobs = make_jobs(self.config.prompts, self.config.seeds)
-        self.controls = [self._references(images, run.data.control_resolution) for images in self.config.controls]
+        self.area = run.data.control_resolution
+        self.controls = [self._references(images, self.area) for images in self.config.controls]
         self.prompt_embeds: list[dict[str, torch.Tensor]] = []
         self.negative_embeds: dict[str, torch.Tensor] = {}
+        self.edit_negatives: dict[int, dict[str, torch.Tensor]] = {}
+        """Prompt index -> the negative prompt encoded with that prompt's references, where the text encoder
+        reads them (Family.text_reads_references)."""
         if self.jobs:
             self._encode(run.data.text_tokens or self.family.default_text_tokens, encode_dtype(self.device))
             self.scheduler = load_scheduler(self.family.scheduler_config(self.folder))
 
     def _encode(self, text_tokens: int, dtype: torch.dtype) -> None:
         """Text embeddings of every prompt (one at a time, as the pipeline encodes a batch of one)
-        and of the negative prompt, on the host; the encoders are freed afterwards."""
+        and of the negative prompt, on the host; the encoders are freed afterwards. A text encoder that
+        reads the references (Family.text_reads_references) reads each prompt's with it, and with the
+        negative prompt, which then has one encoding per prompt."""
         from zerotrain.models.conditioning import encode_prompts, free, load_encoders
 
+        def encode(prompt: str, images: list[Any] | None = None) -> dict[str, torch.Tensor]:
+            return _to_host(encode_prompts(encoders, [prompt], text_tokens, [images] if images else None))
+
+        negative = self.config.negative_prompt
+        read = [images if self.family.text_reads_references else None for images in self.controls] \
+            or [None] * len(self.config.prompts)
         encoders = load_encoders(self.spec, self.folder, self.device, dtype)
         try:
-            for prompt in self.config.prompts:
-                self.prompt_embeds.append(_to_host(encode_prompts(encoders, [prompt], text_tokens)))
+            for index, prompt in enumerate(self.config.prompts):
+                self.prompt_embeds.append(encode(prompt, read[index]))
+                if self.cfg and read[index]:
+                    self.edit_negatives[index] = self.family.negative_embeds(self.folder, negative,
+                                                                             encode(negative, read[index]))
             if self.cfg:
-                negative = _to_host(encode_prompts(encoders, [self.config.negative_prompt], text_tokens))
-                self.negative_embeds = self.family.negative_embeds(self.folder, self.config.negative_prompt, negative)
+                self.negative_embeds = self.family.negative_embeds(self.folder, negative, encode(negative))
         finally:
             free(encoders)
 
@@ -224,11 +238,11 @@ class Validator:
         def place(embeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {name: value.to(self.device, dtype) for name, value in embeds.items()}
 
-        negative = place(self.negative_embeds) if self.cfg else None
+        negative = place(self.edit_negatives.get(job.prompt_index, self.negative_embeds)) if self.cfg else None
         kwargs = self.family.validation_kwargs(place(self.prompt_embeds[job.prompt_index]), negative, self.guidance_scale)
         if self.controls and self.controls[job.prompt_index]:  # an edit: the prompt's reference images
             kwargs.update(self.family.reference_kwargs(self.spec, self.controls[job.prompt_index],
-                                                       (self.resolution, self.resolution)))
+                                                       (self.resolution, self.resolution), self.area))
         out = pipeline(**kwargs, height=self.resolution, width=self.resolution,
                        num_inference_steps=self.config.steps,
                        generator=torch.Generator(device="cpu").manual_seed(job.seed), output_type="pil")

@@ -5,8 +5,10 @@ through the 16x VAE), through zerotrain/train.py as a user runs it, in three run
         with from_pretrained alone and changes its render
     b   the same run stopped by SIGTERM after a few steps and run again: the resumed run's per-step losses
         equal run a's bit for bit
-    c   LoRA (rank 4), ZeRO-3, validation images through QwenImage21Pipeline: the loss goes down, the exported
-        LoRA loads with load_lora_weights and changes the render, and the ComfyUI LoRA (diffusers' names under
+    c   edit LoRA (rank 4), ZeRO-3, on examples/tiny-edit-data with two condition images a target (the gray
+        shape and the swatch of its colour), each caption cached as the text encoder reads it with the two, and
+        validation images of three edits through QwenImage21Pipeline: the loss goes down, the exported LoRA
+        loads with load_lora_weights and changes the edit, and the ComfyUI LoRA (diffusers' names under
         diffusion_model.) loads as the same adapter
 
 "The loss goes down" is the mean of the last 3 step losses at least 5% below the mean of the first 3
@@ -19,9 +21,11 @@ import signal
 
 import pytest
 import torch
+from PIL import Image
 
 from tests.distributed.conftest import WORLD, Trainer, interrupted, logged_steps
 from tests.distributed.quiet_output import assert_quiet
+from tests.distributed.test_train_edit import CONTROLS, SWATCHES, dataset, validation
 from tests.distributed.test_train_families import Case, check_validation_images
 from tests.distributed.test_train_z_image import assert_loss_drops
 
@@ -31,7 +35,7 @@ STEPS = 10
 FULL = ("model.name_or_path=tiny-qwen-image21", "training.mode=full", f"training.max_steps={STEPS}",
         "planner.stages=[2]", "planner.offload=[none]", "optimizer.lr=3e-3", "training.resume=auto",
         "training.checkpoint_every=1000", "data.text_tokens=64")
-LORA = Case("qwen-image21-lora-zero3", "tiny-qwen-image21", "lora", 3, 3e-2, 12)
+EDIT_LORA = Case("qwen-image21-edit-lora-zero3", "tiny-qwen-image21", "lora", 3, 3e-2, 12)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +58,16 @@ def pipeline_of(folder, **components):
     return pipeline
 
 
-def render(pipeline) -> torch.Tensor:
-    image = pipeline("a red square", height=64, width=64, num_inference_steps=2, output_type="pt",
-                     generator=torch.Generator().manual_seed(0)).images
+def render(pipeline, images=None) -> torch.Tensor:
+    extra = {"image": images, "output_resolution": 64} if images else {}
+    image = pipeline("paint the shape red", height=64, width=64, num_inference_steps=2, output_type="pt",
+                     generator=torch.Generator().manual_seed(0), **extra).images
     assert image.shape == (1, 4, 64, 64) and torch.isfinite(image).all()  # RGBA
     return image
+
+
+def edit(pipeline) -> torch.Tensor:
+    return render(pipeline, [Image.open(path).convert("RGB") for path in (CONTROLS[0], SWATCHES[0])])
 
 
 def test_full_finetune_zero2_learns_and_its_export_loads_with_diffusers_alone(qwen21, full_run):
@@ -85,22 +94,23 @@ def test_a_sigterm_and_a_rerun_give_the_uninterrupted_losses_bit_for_bit(qwen21,
     assert resumed.losses() == full_run.losses()
 
 
-def test_a_lora_validates_and_loads_with_diffusers(qwen21, tmp_path):
+def test_an_edit_lora_with_two_condition_images_validates_and_loads_with_diffusers(qwen21, tmp_path):
     from zerotrain.export import export
 
-    result = qwen21(LORA.id, *LORA.overrides(), "data.text_tokens=64").check()
+    result = qwen21(EDIT_LORA.id, *EDIT_LORA.overrides(), "data.text_tokens=64", dataset("control", "swatch"),
+                    validation(*[[c, s] for c, s in zip(CONTROLS, SWATCHES, strict=True)])).check()
     assert_quiet(result)
-    check_validation_images(result.output_dir, LORA)
-    assert_loss_drops(LORA.id, result.losses(), result.seconds)
+    check_validation_images(result.output_dir, EDIT_LORA)
+    assert_loss_drops(EDIT_LORA.id, result.losses(), result.seconds)
 
     folder = qwen21.run_config().data.cache_dir / "models" / "tiny-qwen-image21"
     pipeline = pipeline_of(folder)
-    before = render(pipeline)
+    before = edit(pipeline)
     pipeline.load_lora_weights(result.output_dir / "export" / "lora", adapter_name="trained")
-    trained = render(pipeline)
-    assert not torch.allclose(before, trained), "the exported LoRA does not change the render"
+    trained = edit(pipeline)
+    assert not torch.allclose(before, trained), "the exported LoRA does not change the edit"
 
     out = export(result.output_dir, out=tmp_path / "comfy", comfyui=True)
     fresh = pipeline_of(folder)
     fresh.load_lora_weights(str(next((out / "comfyui").glob("*.safetensors"))))
-    torch.testing.assert_close(render(fresh), trained, rtol=1e-4, atol=1e-4)  # the same adapter
+    torch.testing.assert_close(edit(fresh), trained, rtol=1e-4, atol=1e-4)  # the same adapter

@@ -21,10 +21,12 @@ from peft import LoraConfig, get_peft_model_state_dict
 from PIL import Image
 from safetensors.torch import save_file
 
+from tests.e2e.test_edit import BF16, SINGLE, edit_data, first_batch, picture, run_for
 from tests.unit.test_sampling import make_validator
 from tests.unit.tiny_family import bare_config, gen, plan_json, spec_of, tiny_fixtures
 from zerotrain.config import RunConfig
 from zerotrain.config.sections import ObjectiveConfig
+from zerotrain.data.prepare import prepare
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
@@ -106,16 +108,21 @@ def test_a_bare_published_config_json_traces_on_meta_and_lora_counts_the_attenti
     assert facts.no_checkpointing.saved_bytes > 8 * facts.checkpointing.saved_bytes > 0
 
 
-def test_references_stop_with_one_line_that_says_why(tmp_path, monkeypatch, capsys):
-    """Qwen-Image 2.1 edits, but its text encoder reads the condition images with the caption: until the cache
-    encodes them together, a plan (or run) with references stops with one line saying so."""
+def test_an_edit_plans_with_its_images_slots_in_the_text_and_more_than_three_are_one_line(folder, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """The planner traces an edit as the pipeline lays it out: the condition image's slots in the text
+    encoder's rows, its tokens before the target's (the transformer checks the two agree); a fourth image is
+    refused with one line."""
     from zerotrain.cli import main
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert main(["plan", "--model", "qwen-image-2.1", "--references", "1", "--gpus", "1xH100-80GB"]) == 2
+    run = RunConfig(model={"name_or_path": str(folder)}, training={"mode": "lora"},
+                    data={"resolution": SIDE, "references": 2, "text_tokens": 12})
+    facts = measure_model(spec_of(folder), run)
+    assert facts.reference_tokens == 2 * GRID * GRID and facts.image_tokens == GRID * GRID
+    assert main(["plan", "--model", "qwen-image-2.1", "--references", "4", "--gpus", "1xH100-80GB"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "data.references: 1 reference images, but qwen-image-2.1 (QwenImage21Pipeline) edits " \
-        "with condition images that its text encoder reads with the caption" in err, err
+    assert "\n" not in err and "data.references: 4 reference images, but QwenImage21Pipeline takes at most 3" in err, err
 
 
 # --- the tiny model and the cache ---------------------------------------------------------------------
@@ -227,6 +234,80 @@ def test_the_planners_inputs_run_the_model_and_training_reaches_every_parameter(
     assert not [n for n, p in model.named_parameters() if p.grad is None]
 
 
+# --- edits: the caption read with its condition images -------------------------------------------------
+
+
+def test_an_edit_caption_is_cached_as_encode_prompt_reads_it_with_its_image(pipeline, encoders):
+    """The caption's rows as the pipeline's encode_prompt gives them with the image (its vision tokens before the
+    caption), the image's own rows left out and their places flagged; another image gives other rows."""
+    image = picture((SIDE, SIDE), 5)
+    cached = encode_prompts(encoders, CAPTIONS[:1], TEXT_TOKENS, [[image]])
+    embeds, _, pads = pipeline.encode_prompt(CAPTIONS[:1], image=[image], device="cpu")
+    slots = (SIDE // 32) ** 2  # one vision token per 32x32 px, each the slot of 2x2 latent tokens
+    assert int(pads.sum()) == slots
+    n = int((~pads).sum())
+    flags = cached["image_pad_mask"][0]
+    assert flags.shape == (TEXT_TOKENS + slots,) and torch.equal(flags[:n + slots].bool(), pads[0])
+    assert not flags[n + slots:].any()
+    assert cached["prompt_embeds_mask"][0].tolist() == [1] * n + [0] * (TEXT_TOKENS - n)
+    torch.testing.assert_close(cached["prompt_embeds"][0, :n], embeds[0][~pads[0]])
+    other = encode_prompts(encoders, CAPTIONS[:1], TEXT_TOKENS, [[picture((SIDE, SIDE), 6)]])
+    assert not torch.allclose(other["prompt_embeds"][0, :n], cached["prompt_embeds"][0, :n])
+
+
+def test_an_edit_trains_on_what_the_pipeline_feeds_its_transformer(folder, tmp_path):
+    """One edit sample through the cache (prepare) and the objective, against QwenImage21Pipeline rendering from
+    the same noisy latents at the same sigma with the caption and the control: the image's tokens then the
+    target's, the caption's rows around the image's slots, img_mask and img_shapes (image first); the
+    transformer's output is the same on both (the slots' own rows, which the cache does not keep, are never
+    read). References and text come from the bf16 cache: within one bf16 step."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    targets, controls = edit_data(tmp_path, 1)
+    run = run_for(folder, targets, controls, tmp_path, f"data.text_tokens={TEXT_TOKENS}")
+    prepared, batch = first_batch(run, spec_of(folder))
+    planned = prepared.planned[prepared.samples[0]]
+    assert [crop.bucket for crop in planned.reference_crops] == [(SIDE, SIDE)] and "image_pad_mask" in batch
+    ours = objective_of(folder).prepare(batch, gen(3)).model_kwargs
+    target = GRID * GRID
+    pipe = QwenImage21Pipeline.from_pretrained(folder, processor=load_processor(folder))
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=False,
+                                                                 shift=1.0)
+    with Image.open(planned.item.controls[0]) as control:
+        theirs = hooked_call(pipe, prompt=planned.item.caption, image=[control.convert("RGB")], height=SIDE,
+                             width=SIDE, output_resolution=SIDE, sigmas=[float(ours["timestep"][0])],
+                             latents=ours["hidden_states"][:, -target:])
+    assert ours["img_shapes"] == theirs["img_shapes"] == [[(1, GRID, GRID), (1, GRID, GRID)]]
+    assert torch.equal(ours["img_mask"], theirs["img_mask"])
+    slots = theirs["img_mask"][0, :theirs["encoder_hidden_states"].shape[1]]
+    assert int(slots.sum()) == target // 4
+    torch.testing.assert_close(ours["hidden_states"], theirs["hidden_states"], **BF16)
+    assert torch.equal(ours["hidden_states"][:, -target:], theirs["hidden_states"][:, -target:])
+    text = ours["encoder_hidden_states"]
+    torch.testing.assert_close(text[:, ~slots], theirs["encoder_hidden_states"][:, ~slots], **BF16)
+    assert not text[:, slots].any()
+    assert ours["encoder_hidden_states_mask"] is None and theirs["encoder_hidden_states_mask"] is None
+    torch.testing.assert_close(ours["timestep"], theirs["timestep"], rtol=0, atol=1e-6)
+    with torch.no_grad():
+        run_ours = pipe.transformer(**ours, return_dict=False)[0]
+        run_theirs = pipe.transformer(**{**theirs, "return_dict": False})[0]
+    torch.testing.assert_close(run_ours[:, -target:], run_theirs[:, -target:], rtol=2e-2, atol=2e-2)
+
+
+def test_an_edit_caption_is_cached_for_its_control_and_flipped_edits_are_one_line(folder, tmp_path):
+    targets, controls = edit_data(tmp_path, 1, pairs=2)
+    run = run_for(folder, targets, controls, tmp_path, f"data.text_tokens={TEXT_TOKENS}")
+    first = prepare(run, spec_of(folder), SINGLE)
+    assert (first.report.texts_encoded, first.report.latents_encoded) == (2, 2)
+    picture((SIDE, SIDE), 999).save(controls[0] / "pair1.jpg")  # a new control: its caption is read again
+    again = prepare(run, spec_of(folder), SINGLE)
+    assert (again.report.texts_encoded, again.report.texts_cached, again.report.latents_encoded) == (1, 1, 1)
+    flipped = run_for(folder, targets, controls, tmp_path, f"data.text_tokens={TEXT_TOKENS}", "data.flip=true")
+    with pytest.raises(ZerotrainError, match=r"^data.flip: Qwen-Image 2.1's text encoder reads each control image "
+                                             r"with the caption.*set data.flip: false for edit training$"):
+        prepare(flipped, spec_of(folder), SINGLE)
+
+
 # --- validation ----------------------------------------------------------------------------------------
 
 
@@ -240,6 +321,36 @@ def test_validation_renders_what_the_pipeline_renders_from_the_prompt(root, pipe
         rendered = np.asarray(image).astype(np.int16)
     assert rendered.std() > 5.0
     direct = pipeline(prompt, height=SIDE, width=SIDE, num_inference_steps=2, generator=gen(3)).images[0]
+    assert np.abs(rendered - np.asarray(direct).astype(np.int16)).max() <= 1
+
+
+def test_edit_validation_renders_what_the_pipeline_renders_from_the_prompt_and_its_image(root, pipeline, tmp_path):
+    """With validation.controls, and guidance with a negative prompt (read with the image too): the validator's
+    pipeline renders from the cached text, its image flags and the control as sized for training, what the
+    pipeline renders reading the prompt, the negative prompt and that control itself. The size is one the
+    pipeline keeps (condition_size), so its text encoder reads the image the cached text was encoded with."""
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    from zerotrain.families.qwen_image21 import condition_size
+
+    for area in (SIDE * SIDE, 1024 * 1024, 768 * 768):
+        for control in ((1000, 700), (333, 1024), (4000, 2250), (SIDE, SIDE)):
+            width, height = condition_size(area, control)
+            assert calculate_dimensions(area, width / height)[:2] == (width, height), (area, control)
+    path = tmp_path / "control.png"
+    picture((96, 64), 4).save(path)
+    prompt = "paint it red"
+    _, _, validator = make_validator(root, "tiny-qwen-image21", f"validation.prompts=['{prompt}']",
+                                     "validation.seeds=[3]", f"validation.controls=[['{path}']]",
+                                     "validation.guidance_scale=2.0", "validation.negative_prompt=blurry")
+    assert validator.cfg and set(validator.edit_negatives) == {0}
+    assert "image_pad_mask" in validator.prompt_embeds[0] and "image_pad_mask" in validator.edit_negatives[0]
+    rendered = np.asarray(Image.open(validator.render(pipeline.transformer, 0, tmp_path)[0])).astype(np.int16)
+    control = validator.controls[0][0]
+    assert control.size == (SIDE, SIDE)
+    direct = pipeline(prompt, image=[control], negative_prompt="blurry", true_cfg_scale=2.0, height=SIDE, width=SIDE,
+                      output_resolution=SIDE, num_inference_steps=2, generator=gen(3)).images[0]
+    assert rendered.std() > 5.0
     assert np.abs(rendered - np.asarray(direct).astype(np.int16)).max() <= 1
 
 

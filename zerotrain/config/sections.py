@@ -265,11 +265,12 @@ class DataConfig(_Section):
     0.05. Drawn per sample from the seed and the epoch, so a resume draws the same."""
     flip: bool = False
     """Also cache horizontally flipped latents and use them for half of the samples (a sample's
-    references flip with it)."""
+    references flip with it; refused for edits of a model whose text encoder reads the references:
+    Qwen-Image 2.1)."""
     control_resolution: int | None = Field(None, ge=64, le=4096)
     """Edit training: encode each reference at about this many pixels squared, at its own aspect; the
     family pipeline's size when not given (Kontext: the target's size; FLUX.2: the control's own,
-    at most 1024 x 1024 pixels)."""
+    at most 1024 x 1024 pixels; Qwen-Image 2.1: the target's area)."""
     references: int | None = Field(None, ge=0, le=16)
     """Edit training: reference images per sample, for `zerotrain plan` before any data is read
     (--references on the command line). The planner plans for the datasets' controls where they are

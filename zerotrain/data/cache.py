@@ -128,7 +128,7 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
     family = families.of(spec)
     buckets = make_buckets(data.resolution, bucket_step(data.bucket_step, family.pixel_factor(spec)), data.max_aspect_ratio)
     text_tokens = data.text_tokens or family.default_text_tokens
-    check_references(discovery, spec)
+    check_references(discovery, spec, data.flip)
     planned, skipped = [], []
     for item in discovery.items:
         bucket = assign_bucket(item.width, item.height, buckets)
@@ -140,23 +140,30 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
             continue
         references = tuple(reference_crop(family.reference_size(spec, bucket, size, data.control_resolution), size,
                                           crop, (item.width, item.height)) for size in item.control_sizes)
+        controls = [("control", *_file_identity(path), plan) for path, plan in zip(item.controls, references, strict=True)]
         latent_key = _digest(CACHE_VERSION, *_file_identity(item.image), crop, identity, str(STORE_DTYPE), data.flip,
-                             *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []),
-                             *[("control", *_file_identity(path), plan)
-                               for path, plan in zip(item.controls, references, strict=True)])
-        text_keys = tuple(text_key(text, identity, text_tokens, spec) for text in item.texts)
-        empty = text_key("", identity, text_tokens, spec) if item.caption_dropout > 0 else ""
+                             *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []), *controls)
+        # A text encoder that reads the references with the caption makes them part of the text's address.
+        seen = controls if family.text_reads_references else []
+        text_keys = tuple(text_key(text, identity, text_tokens, spec, *seen) for text in item.texts)
+        empty = text_key("", identity, text_tokens, spec, *seen) if item.caption_dropout > 0 else ""
         planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_keys, empty, references))
     return planned, skipped
 
 
-def check_references(discovery: Discovery, spec: ModelSpec) -> None:
-    """One line when a dataset gives references to a model that takes none, or more than it takes."""
+def check_references(discovery: Discovery, spec: ModelSpec, flip: bool = False) -> None:
+    """One line when a dataset gives references to a model that takes none, or more than it takes, or
+    asks for flipped edits of a model whose text encoder reads the references (a flipped sample would need
+    its caption encoded again with the flipped images, which the cache does not do)."""
     family = families.of(spec)
     most = family.max_references(spec)
     counts: dict[int, int] = {}
     for item in discovery.items:
         counts[item.dataset] = max(counts.get(item.dataset, 0), len(item.controls))
+    if flip and family.text_reads_references and any(counts.values()):
+        raise ZerotrainError(f"data.flip: {family.title}'s text encoder reads each control image with the caption, "
+                             "and zerotrain encodes that text for the images as they are, not flipped; set "
+                             "data.flip: false for edit training")
     for dataset, count in sorted(counts.items()):
         if count and not most:
             raise ZerotrainError(f"data.datasets[{dataset}]: {count} control image(s) per target, but "
@@ -182,9 +189,10 @@ def _file_identity(path: Path) -> tuple[str, int, int]:
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
-def text_key(text: str, identity: str, text_tokens: int, spec: ModelSpec) -> str:
-    """A caption's content address: the text, the text encoders' identity and the sequence length."""
-    return _digest(CACHE_VERSION, text, identity, text_tokens, spec.family)
+def text_key(text: str, identity: str, text_tokens: int, spec: ModelSpec, *images: Any) -> str:
+    """A caption's content address: the text, the text encoders' identity and the sequence length (and the
+    identity and crop of each reference image the text encoder reads with it)."""
+    return _digest(CACHE_VERSION, text, identity, text_tokens, spec.family, *images)
 
 
 def shard_index(folder: Path) -> dict[str, str]:
@@ -271,15 +279,19 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
     # Every rank must see the same cache before anyone writes, or the shares would not line up.
     barrier()
     unique_latents = {p.latent_key: p for p in planned}
-    unique_texts = {key: text for p in planned for key, text in p.texts().items()}
+    unique_texts = {key: (text, p) for p in planned for key, text in p.texts().items()}
     missing_latents = [p for key, p in unique_latents.items() if key not in have_latents]
-    missing_texts = [(key, text) for key, text in unique_texts.items() if key not in have_texts]
+    missing_texts = [(key, text, p) for key, (text, p) in unique_texts.items() if key not in have_texts]
     # Work is dealt out in whole same-bucket batches, so the cache does not depend on the world size.
     by_bucket: dict[int, list[Planned]] = {}
     for p in missing_latents:
         by_bucket.setdefault(p.bucket_id, []).append(p)
     latent_batches = [batch for group in by_bucket.values() for batch in _chunks(group, batch_size)]
-    text_batches = list(_chunks(missing_texts, batch_size))
+    # A caption the text encoder reads with its sample's references is encoded alone, with them.
+    reads = families.of(spec).text_reads_references
+    alone = {key for key, _, p in missing_texts if reads and p.reference_crops}
+    text_batches = [*_chunks([entry for entry in missing_texts if entry[0] not in alone], batch_size),
+                    *([entry] for entry in missing_texts if entry[0] in alone)]
     mine_latent_batches, mine_text_batches = latent_batches[rank::world], text_batches[rank::world]
     mine_latents = [p for batch in mine_latent_batches for p in batch]
     mine_texts = [p for batch in mine_text_batches for p in batch]
@@ -294,12 +306,19 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
                 for shard in _chunks(mine_text_batches, SHARD_ITEMS // batch_size or 1):
                     tensors = {}
                     for batch in shard:
-                        out = encode_prompts(encoders, [text for _, text in batch], text_tokens)
-                        for i, (key, _) in enumerate(batch):
+                        bars.advance(captions, len(batch))
+                        try:
+                            pictures = ([reference_images(p, run.data.background) for _, _, p in batch]
+                                        if batch[0][0] in alone else None)
+                        except ControlRejected as err:  # its latents are rejected too, with the same verdict
+                            rejected.append(err.verdict)
+                            continue
+                        out = encode_prompts(encoders, [text for _, text, _ in batch], text_tokens, pictures)
+                        for i, (key, _, _) in enumerate(batch):
                             tensors.update({f"{key}.{name}": value[i].to(STORE_DTYPE).cpu()
                                             for name, value in out.items()})
-                        bars.advance(captions, len(batch))
-                    write_shard(text_dir, rank, tensors, trim=True)
+                    if tensors:
+                        write_shard(text_dir, rank, tensors, trim=True)
                 for shard in _chunks(mine_latent_batches, SHARD_ITEMS // batch_size or 1):
                     tensors = {}
                     for batch in shard:
@@ -358,24 +377,42 @@ def _encode_references(encoders, kept: list[Planned], run: RunConfig, device, te
     rejected = []
     for p in kept:
         try:
-            encoded = {}
-            for i, (control, crop) in enumerate(zip(p.item.controls, p.reference_crops, strict=True)):
-                image = apply_crop(load_rgb(control, run.data.background, min_target=crop.resized_size), crop)
-                array = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
-                x = array.view(image.height, image.width, 3).permute(2, 0, 1)[None].to(device=device,
-                                                                                      dtype=torch.float32)
-                x = x / 127.5 - 1.0
-                variants = [("", x)] + ([("_flip", torch.flip(x, dims=[3]))] if run.data.flip else [])
-                for suffix, pixels in variants:
-                    mean, _ = encode_moments(encoders, pixels.to(encoders.vae.dtype))
-                    encoded[f"{p.latent_key}.ref{i}{suffix}"] = mean[0].to(STORE_DTYPE).cpu()
-        except (ImageRejected, OSError) as err:
-            rejected.append(Verdict(p.item.image, f"control {control}: {getattr(err, 'reason', 'unreadable')}"))
+            images = reference_images(p, run.data.background)
+        except ControlRejected as err:
+            rejected.append(err.verdict)
             for name in [k for k in tensors if k.startswith(f"{p.latent_key}.")]:
                 del tensors[name]
             continue
-        tensors.update(encoded)
+        for i, image in enumerate(images):
+            array = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+            x = array.view(image.height, image.width, 3).permute(2, 0, 1)[None].to(device=device, dtype=torch.float32)
+            x = x / 127.5 - 1.0
+            variants = [("", x)] + ([("_flip", torch.flip(x, dims=[3]))] if run.data.flip else [])
+            for suffix, pixels in variants:
+                mean, _ = encode_moments(encoders, pixels.to(encoders.vae.dtype))
+                tensors[f"{p.latent_key}.ref{i}{suffix}"] = mean[0].to(STORE_DTYPE).cpu()
     return rejected
+
+
+class ControlRejected(Exception):
+    """A control image that does not decode now; its verdict rejects the item."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.reason)
+        self.verdict = verdict
+
+
+def reference_images(p: Planned, background: Any) -> list[Image.Image]:
+    """An edit item's control images as its references: decoded (over `background` where transparent) and
+    cropped to their reference size (Planned.reference_crops), as the VAE, and a text encoder that reads
+    them, see them."""
+    images = []
+    for control, crop in zip(p.item.controls, p.reference_crops, strict=True):
+        try:
+            images.append(apply_crop(load_rgb(control, background, min_target=crop.resized_size), crop))
+        except (ImageRejected, OSError) as err:
+            raise ControlRejected(Verdict(p.item.image, f"control {control}: {getattr(err, 'reason', 'unreadable')}")) from None
+    return images
 
 
 def latent_mask(mask: Image.Image | None, crop: CropPlan, grid: tuple[int, int]) -> torch.Tensor:

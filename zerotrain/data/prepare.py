@@ -90,7 +90,9 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
     enforce(discovery, run.data)
     report = build(planned, run, spec, source, topo.rank, topo.world_size, device)
     barrier()
-    rejected = [v for part in gather_objects(report.rejected) for v in part]
+    # One verdict an item: a control that does not decode rejects both its text and its latents (edit models
+    # whose text encoder reads it), on one rank or two.
+    rejected = list({v.path: v for part in gather_objects(report.rejected) for v in part}.values())
     bad = {v.path for v in rejected}
     kept = [p for p in planned if p.item.image not in bad]
     if topo.is_main:

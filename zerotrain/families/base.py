@@ -55,6 +55,7 @@ class BaseFamily:
     timestep_logit_std: ClassVar[float] = 1.0
     joint_output: ClassVar[bool] = False
     target_last: ClassVar[bool] = False
+    text_reads_references: ClassVar[bool] = False
     diffusers_lokr: ClassVar[bool] = False
     """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2)."""
 
@@ -188,7 +189,8 @@ class BaseFamily:
     def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[torch.Tensor]) -> dict[str, Any]:
         raise self._no_references(spec)
 
-    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
+                         area: int | None = None) -> dict[str, Any]:
         raise self._no_references(spec)
 
     def no_references(self, spec: ModelSpec) -> str:

@@ -222,7 +222,8 @@ class Flux(BaseFamily):
             ids.append(image_ids)
         return {**kwargs, "hidden_states": torch.cat(hidden, dim=1), "img_ids": torch.cat(ids, dim=0)}
 
-    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
+                         area: int | None = None) -> dict[str, Any]:
         """The image as given: no snapping to Kontext's preferred resolutions (_auto_resize), since
         training encoded it at reference_size; max_area the size's, since FluxKontextPipeline scales
         its output to max_area (1024 x 1024 by default) whatever height and width say."""

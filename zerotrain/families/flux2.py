@@ -342,7 +342,8 @@ class Flux2(BaseFamily):
         return {**kwargs, "hidden_states": torch.cat([hidden, *packed], dim=1).contiguous(),
                 "img_ids": torch.cat([kwargs["img_ids"], ids], dim=1)}
 
-    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
+                         area: int | None = None) -> dict[str, Any]:
         return {"image": list(images)}
 
     def comfyui_adapter_name(self, module: str) -> str:

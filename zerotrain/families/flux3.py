@@ -402,7 +402,8 @@ class Flux3(BaseFamily):
                          for i, latents in enumerate(references)])
         return {**kwargs, "image_cond_hidden_states": cond, "image_cond_ids": ids}
 
-    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
+                         area: int | None = None) -> dict[str, Any]:
         return {"image": list(images)}
 
     # --- validation images -------------------------------------------------------------------------

@@ -203,7 +203,8 @@ class QwenImage(BaseFamily):
                   for sample in kwargs["img_shapes"]]
         return {**kwargs, "hidden_states": torch.cat([hidden, *packed], dim=1), "img_shapes": shapes}
 
-    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int]) -> dict[str, Any]:
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
+                         area: int | None = None) -> dict[str, Any]:
         if not self.max_references(spec):
             raise self._no_references(spec)
         return {"image": list(images) if self.pipeline_name(spec) == "QwenImageEditPlusPipeline" else images[0]}

@@ -19,6 +19,13 @@ What sets it apart:
   count (dynamic shifting through calculate_shift, 0.5 at 256 tokens to 1.15 at 4096).
 - Sampling needs no guidance (true_cfg_scale 1 by default); the pipeline's sample_sigmas (model_index.json)
   set its steps when the model's authors fixed them.
+- Edits (up to MAX_REFERENCES condition images): the text encoder reads each image with the caption (the
+  template's vision tokens before it, one per 32x32 pixels), so the cache encodes an edit caption with its
+  images (encode_prompt's images; text_reads_references) and keeps the caption's rows and image_pad_mask, the
+  places of the images' slots, whose own rows the transformer overwrites with the images' latents. Training
+  lays the rows back around the slots (with_slots) and puts the images' tokens before the target's
+  (add_references), as the pipeline's call does. Validation renders through render_class, which passes the
+  cached image_pad_mask on to encode_prompt.
 
 The planner traces the transformer on the meta device with img_mask on the host: the transformer derives its
 token layout from it with nonzero and tolist (trace.HostMetadataMode).
@@ -62,6 +69,9 @@ if TYPE_CHECKING:
 QWEN21_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True,
                     "time_shift_type": "exponential", "base_image_seq_len": 256, "max_image_seq_len": 4096,
                     "base_shift": 0.5, "max_shift": 1.15}
+# The most condition images zerotrain trains an edit with. The pipeline takes a list of any length; each image
+# costs the text encoder one token per 32x32 pixels and the transformer one per 16x16, at the target's area.
+MAX_REFERENCES = 3
 # Every image slot of the text encoder's sequence stands for 2x2 latent tokens.
 SLOT = 2
 # The VAE's 16x: QwenImage21Pipeline.vae_scale_factor.
@@ -78,26 +88,100 @@ def tokens(grid: torch.Tensor) -> torch.Tensor:
     return grid.flatten(2).transpose(1, 2)
 
 
-def image_mask(text_rows: int, height: int, width: int, batch: int, device: Any = "cpu") -> torch.Tensor:
-    """img_mask (B, text_rows + h w / 4) bool for text-to-image: the text's rows, then one slot per 2x2 target
-    latent tokens, as the pipeline appends them (append_target_slots)."""
+def image_mask(text_rows: int, height: int, width: int, batch: int, device: Any = "cpu",
+               slots: torch.Tensor | None = None) -> torch.Tensor:
+    """img_mask (B, text_rows + h w / 4) bool: the text encoder's rows (True at the condition images' slots,
+    `slots` (text_rows,); none for text-to-image), then one slot per 2x2 target latent tokens, as the pipeline
+    appends them (append_target_slots)."""
     import torch
 
     if height % SLOT or width % SLOT:
         raise ValueError(f"image_mask: latents {height}x{width} are not a multiple of {SLOT}")
-    slots = height * width // (SLOT * SLOT)
-    row = torch.cat([torch.zeros(text_rows, dtype=torch.bool), torch.ones(slots, dtype=torch.bool)])
+    text = torch.zeros(text_rows, dtype=torch.bool) if slots is None else slots.to("cpu", torch.bool)
+    if len(text) != text_rows:
+        raise ValueError(f"image_mask: {len(text)} slot flags for {text_rows} text rows")
+    row = torch.cat([text, torch.ones(height * width // (SLOT * SLOT), dtype=torch.bool)])
     return row.to(device).expand(batch, -1)
 
 
 def joint_inputs(image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor | None, height: int, width: int,
-                 timestep: torch.Tensor, mask_device: Any) -> dict[str, Any]:
-    """The transformer's arguments for target tokens (B, h w, C) and text rows (B, n, D) of which `valid` marks
-    each caption's (None: every row): img_mask on `mask_device` (the host for the planner's trace)."""
+                 timestep: torch.Tensor, mask_device: Any, slots: torch.Tensor | None = None) -> dict[str, Any]:
+    """The transformer's arguments for target tokens (B, h w, C) and the text encoder's rows (B, n, D) of which
+    `valid` marks each caption's (None: every row) and `slots` (n,) the condition images' (None: no images):
+    img_mask on `mask_device` (the host for the planner's trace)."""
     b = image.shape[0]
     return {"hidden_states": image, "encoder_hidden_states": text, "encoder_hidden_states_mask": valid,
             "timestep": timestep, "img_shapes": [[(1, height, width)]] * b,
-            "img_mask": image_mask(text.shape[1], height, width, b, mask_device)}
+            "img_mask": image_mask(text.shape[1], height, width, b, mask_device, slots)}
+
+
+def with_slots(text: torch.Tensor, valid: torch.Tensor, image_pad_mask: torch.Tensor) -> tuple[Any, Any, Any]:
+    """A batch's caption rows (B, n, D) and mask (B, n) (trim_rows) laid back into the text encoder's sequence
+    with the condition images' slots, where the cache keeps only their flags (image_pad_mask (B, T + S), True at
+    the S slots): (B, n + S, D) with zero rows at the slots (the transformer puts the images' latents there and
+    reads nothing of those rows), the mask (B, n + S) valid at the slots, and the slots' flags (n + S,). The
+    template puts the images before the caption, so every caption's slots sit at the same places; a batch whose
+    samples' slots differ is an error."""
+    import torch
+
+    flags = image_pad_mask > 0
+    count = int(flags[0].sum())
+    rows = text.shape[1] + count
+    row = flags[0, :rows]
+    if int(row.sum()) != count or not torch.equal(flags[:, :rows], row.expand(len(flags), -1)) or flags[:, rows:].any():
+        raise ValueError("the samples of a batch must hold their condition images' slots at the same rows of the text")
+    full = text.new_zeros(text.shape[0], rows, *text.shape[2:])
+    full[:, ~row] = text
+    mask = torch.ones(text.shape[0], rows, dtype=torch.bool, device=valid.device)
+    mask[:, ~row.to(valid.device)] = valid.bool()
+    return full, mask, row
+
+
+def condition_size(area: int, control: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) of a condition image of `control`'s size as QwenImage21Pipeline sizes it for
+    output_resolution ** 2 = `area` pixels (calculate_dimensions: its aspect at that area, sides rounded to 32),
+    applied again until the pipeline would keep the size it gives: at validation the pipeline sizes once more
+    the image it is handed, and its text encoder must read the one the cached prompt was encoded with."""
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    size = control
+    for _ in range(16):
+        width, height, _ = calculate_dimensions(area, size[0] / size[1])
+        if (max(VAE_SCALE * SLOT, int(width)), max(VAE_SCALE * SLOT, int(height))) == size:
+            break
+        size = (max(VAE_SCALE * SLOT, int(width)), max(VAE_SCALE * SLOT, int(height)))
+    return size
+
+
+def render_class() -> type:
+    """QwenImage21Pipeline whose __call__ also takes image_pad_mask (and negative_image_pad_mask) with
+    prompt_embeds encoded with condition images, and hands it to encode_prompt, which takes it: diffusers
+    0.42.1's __call__ does not pass it on, so it refuses such embeddings (its encode_prompt asks for the mask).
+    Everything else is the pipeline's own __call__. Validation renders edits through it from cached text."""
+    import diffusers
+
+    global _RENDER
+    if _RENDER is None:
+        class QwenImage21CachedTextPipeline(diffusers.QwenImage21Pipeline):
+            def __call__(self, *args: Any, image_pad_mask: Any = None, negative_image_pad_mask: Any = None,
+                         **kwargs: Any) -> Any:
+                self._image_pad_masks = [image_pad_mask, negative_image_pad_mask]
+                try:
+                    return super().__call__(*args, **kwargs)
+                finally:
+                    self._image_pad_masks = []
+
+            def encode_prompt(self, *args: Any, **kwargs: Any) -> Any:
+                masks = getattr(self, "_image_pad_masks", [])
+                if masks and kwargs.get("prompt_embeds") is not None and kwargs.get("image_pad_mask") is None:
+                    kwargs["image_pad_mask"] = masks.pop(0)
+                return super().encode_prompt(*args, **kwargs)
+
+        _RENDER = QwenImage21CachedTextPipeline
+    return _RENDER
+
+
+_RENDER: type | None = None
 
 
 def load_processor(folder: Path | str) -> Any:
@@ -131,6 +215,7 @@ class QwenImage21(BaseFamily):
                                                   ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")}
     joint_output = True
     target_last = True
+    text_reads_references = True
 
     # --- the model and its latents -----------------------------------------------------------------
 
@@ -189,13 +274,21 @@ class QwenImage21(BaseFamily):
 
     # --- conditioning ------------------------------------------------------------------------------
 
-    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
+    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any,
+                      images: list[list[Any]] | None = None) -> dict[str, Any]:
         """prompt_embeds (B, text_tokens, hidden): each caption's rows from the pipeline's encode_prompt,
-        zero-padded at the end; prompt_embeds_mask (B, text_tokens), 1 on them."""
+        zero-padded at the end; prompt_embeds_mask (B, text_tokens), 1 on them. With `images` (each caption's
+        condition images, PIL at reference_size), each caption is encoded with its images as the pipeline encodes
+        one prompt, and image_pad_mask (B, text_tokens + S) flags where the S image slots sat among its rows;
+        the slots' own rows are not kept (with_slots lays the caption back around them)."""
         import torch
 
         check_tokens(text_tokens, 1, pipeline.text_encoder.config.get_text_config().max_position_embeddings,
                      f"Qwen3-VL's positions for {self.title}")
+        if images is not None:
+            encoded = [self._encode_with_images(pipeline, caption, pictures, text_tokens, device)
+                       for caption, pictures in zip(captions, images, strict=True)]
+            return {name: torch.cat([one[name] for one in encoded]) for name in encoded[0]}
         embeds, mask, _ = pipeline.encode_prompt(list(captions), device=device)
         if mask is None:
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
@@ -208,6 +301,32 @@ class QwenImage21(BaseFamily):
             mask = torch.nn.functional.pad(mask, (0, text_tokens - mask.shape[1]))
         return compact_rows(embeds[:, :text_tokens], mask[:, :text_tokens], text_tokens)
 
+    def _encode_with_images(self, pipeline: Any, caption: str, pictures: list[Any], text_tokens: int,
+                            device: Any) -> dict[str, Any]:
+        """One caption read with its condition images by the pipeline's encode_prompt (its ti2i template: the
+        images' vision tokens before the caption)."""
+        import torch
+
+        embeds, _, pads = pipeline.encode_prompt([caption], image=list(pictures), device=device)
+        slots = sum((picture.size[0] // (VAE_SCALE * SLOT)) * (picture.size[1] // (VAE_SCALE * SLOT))
+                    for picture in pictures)
+        if int(pads.sum()) != slots:
+            sizes = ", ".join(f"{p.size[0]}x{p.size[1]}" for p in pictures)
+            raise ZerotrainError(f"{self.title}'s processor reads the condition images ({sizes} px) as "
+                                 f"{int(pads.sum())} image tokens, not the {slots} their latents fill (one per 32x32 "
+                                 "px): its preprocessor_config.json's size (min and max pixels) leaves out that size; "
+                                 "set data.control_resolution to a size it admits")
+        text = embeds[0][~pads[0]]
+        if len(text) > text_tokens:
+            raise caption_too_long(caption, len(text), text_tokens, f"{self.title}'s template",
+                                   " (the pipeline does not truncate; the images' tokens do not count)")
+        rows = torch.zeros(1, text_tokens, embeds.shape[2], dtype=embeds.dtype, device=embeds.device)
+        rows[0, :len(text)] = text
+        mask = torch.zeros(1, text_tokens, dtype=torch.long, device=embeds.device)
+        mask[0, :len(text)] = 1
+        flags = torch.cat([pads[0], pads.new_zeros(text_tokens - len(text))])[None]
+        return {"prompt_embeds": rows, "prompt_embeds_mask": mask, "image_pad_mask": flags}
+
     # --- training ----------------------------------------------------------------------------------
 
     def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -216,10 +335,13 @@ class QwenImage21(BaseFamily):
         if text.ndim != 3 or text.shape[0] != b:
             raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
         text, valid = trim_rows(text, batch["prompt_embeds_mask"])
+        slots = None
+        if "image_pad_mask" in batch:  # an edit: the caption was read with its condition images
+            text, valid, slots = with_slots(text, valid, batch["image_pad_mask"])
         dtype = objective.model_dtype
         # The pipeline passes timestep / 1000 = sigma in the latents' dtype, and no mask when nothing is padded.
         kwargs = joint_inputs(tokens(x_t).to(dtype), text.to(dtype), None if bool(valid.all()) else valid, h, w,
-                              sigma.to(dtype), x_t.device)
+                              sigma.to(dtype), x_t.device, slots)
         return kwargs, tokens(target)
 
     def target_layout(self, latents: Any) -> Any:
@@ -241,12 +363,45 @@ class QwenImage21(BaseFamily):
 
     # --- references --------------------------------------------------------------------------------
 
-    def no_references(self, spec: ModelSpec) -> str:
-        """The pipeline edits, but its text encoder reads each condition image with the caption, so an edit
-        sample's text depends on its images: the cache encodes captions alone, so zerotrain trains Qwen-Image
-        2.1 as text-to-image only, for now."""
-        return ("edits with condition images that its text encoder reads with the caption, which zerotrain's "
-                "cache does not encode yet (it trains Qwen-Image 2.1 as text-to-image)")
+    def max_references(self, spec: ModelSpec) -> int:
+        return MAX_REFERENCES
+
+    def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
+                       area: int | None) -> tuple[int, int]:
+        """As the pipeline sizes a condition image: its aspect at output_resolution ** 2 pixels, the sides rounded
+        to 32 (condition_size). The pipeline's output_resolution is the target's side: the target's area here, or
+        data.control_resolution ** 2."""
+        return condition_size(area * area if area else target[0] * target[1], control)
+
+    def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[Any]) -> dict[str, Any]:
+        """The pipeline's layout: the condition images' latents, in order, before the target's in hidden_states,
+        and their (1, h, w) before the target's in img_shapes; the text's slots flagged in img_mask (by the cached
+        text's image_pad_mask, flow_inputs). The transformer modulates them at t = 0 (causal_condition). The
+        planner's inputs hold the caption alone: their slots go before it, where the template puts the images."""
+        import torch
+
+        hidden, text, mask = kwargs["hidden_states"], kwargs["encoder_hidden_states"], kwargs["img_mask"]
+        valid = kwargs["encoder_hidden_states_mask"]
+        needed = sum(r.shape[2] * r.shape[3] for r in references) // (SLOT * SLOT)
+        have = int(mask[0, :text.shape[1]].sum())
+        if not have:
+            b = text.shape[0]
+            text = torch.cat([text.new_zeros(b, needed, text.shape[2]), text], dim=1)
+            mask = torch.cat([mask.new_ones(mask.shape[0], needed), mask], dim=1)
+            valid = None if valid is None else torch.cat([valid.new_ones(b, needed), valid], dim=1)
+        elif have != needed:
+            raise ValueError(f"the text holds {have} image slots, but the references' latents fill {needed}")
+        cond = [tokens(latents).to(hidden.dtype) for latents in references]
+        shapes = [[*[(1, r.shape[2], r.shape[3]) for r in references], *sample] for sample in kwargs["img_shapes"]]
+        return {**kwargs, "hidden_states": torch.cat([*cond, hidden], dim=1), "encoder_hidden_states": text,
+                "encoder_hidden_states_mask": valid, "img_mask": mask, "img_shapes": shapes}
+
+    def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
+                         area: int | None = None) -> dict[str, Any]:
+        """The images, and output_resolution at which the pipeline sizes them as they are (condition_size)."""
+        import math
+
+        return {"image": list(images), "output_resolution": area or math.isqrt(size[0] * size[1])}
 
     # --- validation images -------------------------------------------------------------------------
 
@@ -255,19 +410,17 @@ class QwenImage21(BaseFamily):
         return {"sample_sigmas": model_index(folder, self.title).get("sample_sigmas")}
 
     def validation_pipeline(self, spec: ModelSpec, folder: Path, components: dict[str, Any], device: Any) -> Any:
-        """QwenImage21Pipeline with the folder's processor, which its constructor reads (the text encoder stays
-        unloaded: validation passes cached text)."""
-        import diffusers
-
-        return diffusers.QwenImage21Pipeline(**{**components, "processor": load_processor(folder)})
+        """QwenImage21Pipeline (render_class: one that takes the image_pad_mask of cached edit prompts) with the
+        folder's processor, which its constructor reads (the text encoder stays unloaded: validation passes
+        cached text)."""
+        return render_class()(**{**components, "processor": load_processor(folder)})
 
     def validation_kwargs(self, embeds: dict[str, Any], negative: dict[str, Any] | None, guidance_scale: float) -> dict[str, Any]:
-        """Each prompt's own rows and its mask; guidance is true_cfg_scale."""
-        text, mask = trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
-        kwargs: dict[str, Any] = {"prompt_embeds": text, "prompt_embeds_mask": mask, "true_cfg_scale": guidance_scale}
+        """Each prompt's own rows and its mask (laid around its condition images' slots for an edit, with their
+        flags); guidance is true_cfg_scale."""
+        kwargs = {"true_cfg_scale": guidance_scale, **_prompt_kwargs(embeds, "")}
         if negative is not None:
-            text, mask = trim_rows(negative["prompt_embeds"], negative["prompt_embeds_mask"])
-            kwargs.update({"negative_prompt_embeds": text, "negative_prompt_embeds_mask": mask})
+            kwargs.update(_prompt_kwargs(negative, "negative_"))
         return kwargs
 
     # --- export ------------------------------------------------------------------------------------
@@ -330,13 +483,35 @@ class QwenImage21(BaseFamily):
                     "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
         tokenizer = tiny.qwen2_tokenizer(template, (*tiny.QWEN_SPECIALS, *VISION_TOKENS), QWEN3_VL_TEXT_TEMPLATE)
         width = int(denoiser["context_in_dim"])
+        config = qwen3_vl_config(tokenizer, width, 2)
+        # The vision tokens' ids in this tokenizer, which the model looks for to place the image's states.
+        for name, token in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                               VISION_TOKENS, strict=True):
+            setattr(config, name, tokenizer.convert_tokens_to_ids(token))
         return TinyPipeline, {
             "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(QWEN21_SCHEDULER),
-            "text_encoder": tiny.seeded("text_encoder", Qwen3VLForConditionalGeneration,
-                                        qwen3_vl_config(tokenizer, width, 2)),
-            "processor": text_processor(tokenizer),
+            "text_encoder": tiny.seeded("text_encoder", Qwen3VLForConditionalGeneration, config),
+            "processor": text_processor(tokenizer, tiny_image_processor()),
             "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config, denoiser),
         }
+
+
+def tiny_image_processor() -> Any:
+    """Qwen3-VL's image processor settings (16 px patches merged 2x2: one vision token per 32x32 pixels, the
+    pixels scaled to [-1, 1]), with a smallest image of 32x32 pixels instead of 256x256, for 64 px test images."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                                    image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 4096 * 4096})
+
+
+def _prompt_kwargs(embeds: dict[str, Any], prefix: str) -> dict[str, Any]:
+    text, mask = trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
+    if "image_pad_mask" not in embeds:
+        return {f"{prefix}prompt_embeds": text, f"{prefix}prompt_embeds_mask": mask}
+    text, mask, slots = with_slots(text, mask, embeds["image_pad_mask"])
+    return {f"{prefix}prompt_embeds": text, f"{prefix}prompt_embeds_mask": mask,
+            f"{prefix}image_pad_mask": slots.to(text.device).expand(len(text), -1)}
 
 
 class TinyPipeline:

@@ -176,22 +176,29 @@ def encode_latent_moments(encoders: Encoders, pixels: torch.Tensor) -> LatentMom
     return LatentMoments(mean=family.normalize_latents(vae, posterior.mean), std=family.normalize_std(vae, posterior.std))
 
 
-def encode_prompts(encoders: Encoders, captions: list[str], text_tokens: int) -> dict[str, torch.Tensor]:
+def encode_prompts(encoders: Encoders, captions: list[str], text_tokens: int,
+                   images: list[list[Any]] | None = None) -> dict[str, torch.Tensor]:
     """Text conditioning for a batch of captions, as the family's pipeline computes it (one image per
     prompt, no classifier-free guidance), named as the family's text_outputs; text_tokens is the
-    sequence length the denoiser sees. Each family's encode_prompt says what its tensors hold."""
+    sequence length the denoiser sees. Each family's encode_prompt says what its tensors hold.
+    `images`: each caption's reference images (PIL, at reference_size), for a family whose text encoder
+    reads them with the caption (text_reads_references), which then adds image_pad_mask."""
     if not encoders.text_encoders:
         raise ZerotrainError("encode_prompts: these encoders were freed; load them again with load_encoders")
     if not captions or not all(isinstance(caption, str) for caption in captions):
         raise ValueError(f"encode_prompts: captions must be a non-empty list of strings, got {captions!r}")
     family = families.by_name(encoders.family)
+    if images is not None and (not family.text_reads_references or len(images) != len(captions)):
+        raise ValueError(f"encode_prompts: {family.title}'s text encoder reads no images, or not one list per "
+                         f"caption ({len(images)} for {len(captions)})")
     pipeline = _text_pipeline(encoders)
     with torch.no_grad():
-        out = family.encode_prompt(pipeline, captions, text_tokens, encoders.text_encoders[0].device)
+        out = family.encode_prompt(pipeline, captions, text_tokens, encoders.text_encoders[0].device,
+                                   **({} if images is None else {"images": images}))
     batch = len(captions)
     shapes = {name: tuple(value.shape) for name, value in out.items()}
     if (
-        tuple(out) != family.text_outputs
+        tuple(out) != (*family.text_outputs, *(() if images is None else ("image_pad_mask",)))
         or any(shape[0] != batch for shape in shapes.values())
         or shapes["prompt_embeds"][:2] != (batch, text_tokens)
     ):
