@@ -680,28 +680,33 @@ def build_ops(builders: tuple[str, ...] = TRAINING_OPS) -> list[OpBuild]:
 STALE_BUILD_LOCK_S = 30 * 60
 
 
-def clear_stale_build_lock(name: str, now: float | None = None) -> Path | None:
-    """Remove op `name`'s build lock (torch's FileBaton, `<extensions dir>/<name>/lock`) when it is older than
-    STALE_BUILD_LOCK_S, and say so on stderr: a build killed while compiling (Ctrl-C, a preempted node) leaves
-    it, and every later build or run that loads the op then waits on it forever, silently. A younger lock
-    belongs to a build that may be running: say whose file it is, and wait for it as torch does."""
+def clear_stale_build_lock(name: str, poll_s: float = 5.0) -> Path | None:
+    """Wait for op `name`'s build lock (torch's FileBaton, `<extensions dir>/<name>/lock`) to go, saying whose it
+    is on stderr, and remove it once it is older than STALE_BUILD_LOCK_S: a build killed while compiling (Ctrl-C,
+    a preempted node) leaves it, and torch's own wait for it never ends, silently. A build that is running
+    removes its lock within minutes. Returns the lock's path when it was removed as stale."""
     import time
 
     from torch.utils.cpp_extension import _get_build_directory
 
     lock = Path(_get_build_directory(name, False)) / "lock"
-    try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return None
-    if age < STALE_BUILD_LOCK_S:
-        print(f"zerotrain: waiting for {lock}, another build of {name} (started {age / 60:.0f} min ago); if none "
-              "runs, delete that file", file=sys.stderr, flush=True)
-        return None
-    lock.unlink(missing_ok=True)
-    print(f"zerotrain: removed {lock}, left {age / 60:.0f} min ago by a build of {name} that did not finish",
-          file=sys.stderr, flush=True)
-    return lock
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        if age >= STALE_BUILD_LOCK_S:
+            lock.unlink(missing_ok=True)
+            print(f"zerotrain: removed {lock}, left {age / 60:.0f} min ago by a build of {name} that did not finish",
+                  file=sys.stderr, flush=True)
+            return lock
+        if not said:
+            print(f"zerotrain: waiting for {lock}, another build of {name} (started {age / 60:.0f} min ago); "
+                  f"a lock that old from a build that stopped is removed at {STALE_BUILD_LOCK_S // 60} min, or "
+                  "delete it now", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(poll_s)
 
 
 # ---- dropping a step that ran out of memory ----

@@ -139,18 +139,24 @@ def test_build_ops_compiles_what_training_loads_into_torchs_extension_cache():
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_young_one_is_waited_for(tmp_path, monkeypatch, capsys):
-    """torch's FileBaton waits forever on a lock a killed build left: build_ops removes one older than any build
-    takes, saying so, and names a younger one it waits for."""
+    """torch's FileBaton waits forever on a lock a killed build left: build_ops waits on a young one, naming it,
+    until it goes (a running build finishing) or is old enough that no build holds it, then removes it."""
     import os
+    import threading
 
     from zerotrain.deepspeed_compat import STALE_BUILD_LOCK_S, clear_stale_build_lock
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert clear_stale_build_lock("cpu_adam") is None  # no lock: nothing to say
+    assert capsys.readouterr().err == ""
     lock = tmp_path / "cpu_adam" / "lock"
     lock.touch()
-    assert clear_stale_build_lock("cpu_adam") is None and lock.exists()
+    finisher = threading.Timer(0.3, lock.unlink)  # the build that holds it finishes
+    finisher.start()
+    assert clear_stale_build_lock("cpu_adam", poll_s=0.05) is None and not lock.exists()
+    finisher.join()
     assert f"waiting for {lock}, another build of cpu_adam" in capsys.readouterr().err
+    lock.touch()
     os.utime(lock, (lock.stat().st_atime, lock.stat().st_mtime - STALE_BUILD_LOCK_S - 60))
     assert clear_stale_build_lock("cpu_adam") == lock and not lock.exists()
     assert f"removed {lock}, left 31 min ago by a build of cpu_adam that did not finish" in capsys.readouterr().err

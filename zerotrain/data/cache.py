@@ -143,8 +143,9 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
         controls = [("control", *_file_identity(path), plan) for path, plan in zip(item.controls, references, strict=True)]
         latent_key = _digest(CACHE_VERSION, *_file_identity(item.image), crop, identity, str(STORE_DTYPE), data.flip,
                              *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []), *controls)
-        # A text encoder that reads the references with the caption makes them part of the text's address.
-        seen = controls if family.text_reads_references else []
+        # A text encoder that reads the references with the caption makes them part of the text's address (as it
+        # reads them: over data.background where transparent).
+        seen = [*controls, ("background", data.background)] if family.text_reads_references and controls else []
         text_keys = tuple(text_key(text, identity, text_tokens, spec, *seen) for text in item.texts)
         empty = text_key("", identity, text_tokens, spec, *seen) if item.caption_dropout > 0 else ""
         planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_keys, empty, references))
@@ -259,6 +260,20 @@ def _chunks(items: list, size: int) -> Iterator[list]:
         yield items[start:start + size]
 
 
+def _shards(batches: list[list], items: int) -> Iterator[list[list]]:
+    """Consecutive batches, grouped into shards of at most `items` entries (a larger batch alone)."""
+    shard: list[list] = []
+    count = 0
+    for batch in batches:
+        if shard and count + len(batch) > items:
+            yield shard
+            shard, count = [], 0
+        shard.append(batch)
+        count += len(batch)
+    if shard:
+        yield shard
+
+
 @dataclass
 class BuildReport:
     latents_encoded: int
@@ -280,6 +295,10 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
     barrier()
     unique_latents = {p.latent_key: p for p in planned}
     unique_texts = {key: (text, p) for p in planned for key, text in p.texts().items()}
+    owners: dict[str, list[Planned]] = {}  # text key -> the items that train with it
+    for p in planned:
+        for key in p.texts():
+            owners.setdefault(key, []).append(p)
     missing_latents = [p for key, p in unique_latents.items() if key not in have_latents]
     missing_texts = [(key, text, p) for key, (text, p) in unique_texts.items() if key not in have_texts]
     # Work is dealt out in whole same-bucket batches, so the cache does not depend on the world size.
@@ -303,15 +322,15 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
             with progress_bar(show_progress and rank == 0) as bars:
                 captions = bars.add_task("encoding captions", total=len(mine_texts), unit="captions")
                 images = bars.add_task("encoding images", total=len(mine_latents), unit="images")
-                for shard in _chunks(mine_text_batches, SHARD_ITEMS // batch_size or 1):
+                for shard in _shards(mine_text_batches, SHARD_ITEMS):
                     tensors = {}
                     for batch in shard:
                         bars.advance(captions, len(batch))
                         try:
                             pictures = ([reference_images(p, run.data.background) for _, _, p in batch]
                                         if batch[0][0] in alone else None)
-                        except ControlRejected as err:  # its latents are rejected too, with the same verdict
-                            rejected.append(err.verdict)
+                        except ControlRejected as err:  # every item that trains with this text (their latents too)
+                            rejected += [Verdict(q.item.image, err.verdict.reason) for q in owners[batch[0][0]]]
                             continue
                         out = encode_prompts(encoders, [text for _, text, _ in batch], text_tokens, pictures)
                         for i, (key, _, _) in enumerate(batch):
@@ -319,7 +338,7 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
                                             for name, value in out.items()})
                     if tensors:
                         write_shard(text_dir, rank, tensors, trim=True)
-                for shard in _chunks(mine_latent_batches, SHARD_ITEMS // batch_size or 1):
+                for shard in _shards(mine_latent_batches, SHARD_ITEMS):
                     tensors = {}
                     for batch in shard:
                         rejected += _encode_images(encoders, batch, run, device, tensors, encode_latent_moments)
