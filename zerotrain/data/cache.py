@@ -294,13 +294,14 @@ def build(planned: list[Planned], run: RunConfig, spec: ModelSpec, source: Path,
     # Every rank must see the same cache before anyone writes, or the shares would not line up.
     barrier()
     unique_latents = {p.latent_key: p for p in planned}
-    unique_texts = {key: (text, p) for p in planned for key, text in p.texts().items()}
+    unique_texts: dict[str, str] = {}
     owners: dict[str, list[Planned]] = {}  # text key -> the items that train with it
     for p in planned:
-        for key in p.texts():
+        for key, text in p.texts().items():
+            unique_texts[key] = text
             owners.setdefault(key, []).append(p)
     missing_latents = [p for key, p in unique_latents.items() if key not in have_latents]
-    missing_texts = [(key, text, p) for key, (text, p) in unique_texts.items() if key not in have_texts]
+    missing_texts = [(key, text, owners[key][-1]) for key, text in unique_texts.items() if key not in have_texts]
     # Work is dealt out in whole same-bucket batches, so the cache does not depend on the world size.
     by_bucket: dict[int, list[Planned]] = {}
     for p in missing_latents:

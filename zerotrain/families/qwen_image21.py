@@ -41,6 +41,7 @@ alpha), gate and up fused into one gate_up adapter where both are trained.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.errors import ZerotrainError
@@ -147,12 +148,13 @@ def condition_size(area: int, control: tuple[int, int]) -> tuple[int, int]:
     size = control
     for _ in range(16):
         width, height, _ = calculate_dimensions(area, size[0] / size[1])
-        if (max(VAE_SCALE * SLOT, int(width)), max(VAE_SCALE * SLOT, int(height))) == size:
+        given, size = size, (max(VAE_SCALE * SLOT, int(width)), max(VAE_SCALE * SLOT, int(height)))
+        if size == given:
             break
-        size = (max(VAE_SCALE * SLOT, int(width)), max(VAE_SCALE * SLOT, int(height)))
     return size
 
 
+@functools.cache
 def render_class() -> type:
     """QwenImage21Pipeline whose __call__ also takes image_pad_mask (and negative_image_pad_mask) with
     prompt_embeds encoded with condition images, and hands it to encode_prompt, which takes it: diffusers
@@ -160,28 +162,22 @@ def render_class() -> type:
     Everything else is the pipeline's own __call__. Validation renders edits through it from cached text."""
     import diffusers
 
-    global _RENDER
-    if _RENDER is None:
-        class QwenImage21CachedTextPipeline(diffusers.QwenImage21Pipeline):
-            def __call__(self, *args: Any, image_pad_mask: Any = None, negative_image_pad_mask: Any = None,
-                         **kwargs: Any) -> Any:
-                self._image_pad_masks = [image_pad_mask, negative_image_pad_mask]
-                try:
-                    return super().__call__(*args, **kwargs)
-                finally:
-                    self._image_pad_masks = []
+    class QwenImage21CachedTextPipeline(diffusers.QwenImage21Pipeline):
+        def __call__(self, *args: Any, image_pad_mask: Any = None, negative_image_pad_mask: Any = None,
+                     **kwargs: Any) -> Any:
+            self._image_pad_masks = [image_pad_mask, negative_image_pad_mask]
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                self._image_pad_masks = []
 
-            def encode_prompt(self, *args: Any, **kwargs: Any) -> Any:
-                masks = getattr(self, "_image_pad_masks", [])
-                if masks and kwargs.get("prompt_embeds") is not None and kwargs.get("image_pad_mask") is None:
-                    kwargs["image_pad_mask"] = masks.pop(0)
-                return super().encode_prompt(*args, **kwargs)
+        def encode_prompt(self, *args: Any, **kwargs: Any) -> Any:
+            masks = getattr(self, "_image_pad_masks", [])
+            if masks and kwargs.get("prompt_embeds") is not None and kwargs.get("image_pad_mask") is None:
+                kwargs["image_pad_mask"] = masks.pop(0)
+            return super().encode_prompt(*args, **kwargs)
 
-        _RENDER = QwenImage21CachedTextPipeline
-    return _RENDER
-
-
-_RENDER: type | None = None
+    return QwenImage21CachedTextPipeline
 
 
 def load_processor(folder: Path | str) -> Any:
@@ -316,16 +312,12 @@ class QwenImage21(BaseFamily):
                                  f"{int(pads.sum())} image tokens, not the {slots} their latents fill (one per 32x32 "
                                  "px): its preprocessor_config.json's size (min and max pixels) leaves out that size; "
                                  "set data.control_resolution to a size it admits")
-        text = embeds[0][~pads[0]]
-        if len(text) > text_tokens:
-            raise caption_too_long(caption, len(text), text_tokens, f"{self.title}'s template",
+        count = int((~pads).sum())
+        if count > text_tokens:
+            raise caption_too_long(caption, count, text_tokens, f"{self.title}'s template",
                                    " (the pipeline does not truncate; the images' tokens do not count)")
-        rows = torch.zeros(1, text_tokens, embeds.shape[2], dtype=embeds.dtype, device=embeds.device)
-        rows[0, :len(text)] = text
-        mask = torch.zeros(1, text_tokens, dtype=torch.long, device=embeds.device)
-        mask[0, :len(text)] = 1
-        flags = torch.cat([pads[0], pads.new_zeros(text_tokens - len(text))])[None]
-        return {"prompt_embeds": rows, "prompt_embeds_mask": mask, "image_pad_mask": flags}
+        flags = torch.cat([pads[0], pads.new_zeros(text_tokens - count)])[None]
+        return {**compact_rows(embeds, (~pads).long(), text_tokens), "image_pad_mask": flags}
 
     # --- training ----------------------------------------------------------------------------------
 
