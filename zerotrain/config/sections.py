@@ -133,8 +133,10 @@ class TrainingConfig(_Section):
     compile: bool | Literal["auto"] = "auto"
     """Regional compilation: torch.compile of each repeated transformer block (diffusers'
     compile_repeated_blocks), at ZeRO 0-2 (ZeRO-3's parameter hooks split a compiled block into
-    pieces). auto compiles on a GPU at ZeRO 0-2 over an unquantized base; true also on the CPU (slow
-    to compile) and over a quantized base; true at ZeRO-3 is an error."""
+    pieces). Not yet verified on GPUs: on the first GPU run compiled blocks crashed at the first change
+    of batch shape, so auto runs them eagerly everywhere until a bucketed GPU run survives three
+    shapes; true compiles (on a GPU, the CPU or over a quantized base), with a warning that it is
+    unverified; true at ZeRO-3 is an error."""
     activation_offload: bool | Literal["auto"] = "auto"
     """With every block checkpointed, keep the checkpointed blocks' inputs in pinned host memory
     until backward (activation offload: host RAM and PCIe time for GPU memory); auto lets the planner
