@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,21 +44,90 @@ from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
 GRID = ["--set", "planner.offload=[none]", "--set", "planner.max_micro_batch=4", "--global-batch", "4"]
+# The families released in 2026 (benchmarks/gpu_check.py runs them last).
+FAMILIES_2026 = ("krea-2-raw", "ideogram-4", "flux3-klein-base", "qwen-image-2.1")
+# SIGTERM first, so that a case may write what it has; SIGKILL this many seconds later.
+KILL_GRACE_S = 10
+
+
+def reduced_args(model: str, blocks: int, mode: str, grid: str) -> list[str]:
+    """calibrate's arguments for a reduced-depth, full-width model at 1024 px over the grid's layouts
+    (GRID: no offload, micro-batch up to 4)."""
+    return ["--model", model, "--blocks", str(blocks), "--mode", mode, "--grid", grid, *GRID]
+
+
+def tiny_args(model: str, mode: str) -> list[str]:
+    """calibrate's arguments for a tiny catalog model at 64 px over the star grid."""
+    return ["--model", model, "--resolution", "64", "--mode", mode, "--grid", "star", *GRID]
+
+
+def calibrate_command(args: list[str], hardware: list[str], out: Path, workdir: Path) -> list[str]:
+    """The one `zerotrain calibrate` invocation this suite and gpu_check.py run: two steps per layout,
+    the calibration document written to `out`, the model's facts cached under `workdir`."""
+    return [sys.executable, "-m", "zerotrain.cli", "calibrate", *args, *hardware, "--steps", "2",
+            "--out", str(out), "--set", f"planner.cache_dir={workdir / 'facts'}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    returncode: int | None  # None: killed at its time limit
+    seconds: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+def run_limited(command: list[str], limit: float, log: Path, env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> Finished:
+    """Run `command` in a session of its own (its own process group), its stdout and stderr into
+    `log`. At `limit` seconds the whole group is stopped (SIGTERM, then SIGKILL KILL_GRACE_S later):
+    a calibrate or train process leaves compile workers and DeepSpeed helpers behind, which a kill of
+    the direct child alone would leave holding the GPU. Whatever of the group outlives a normal exit
+    is killed too."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=cwd, start_new_session=True)
+        try:
+            returncode: int | None = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            returncode = None
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return Finished(returncode, round(time.monotonic() - began, 1))
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group has ended
+        pass
+
+
+def last_line(log: Path) -> str:
+    """The last non-empty line of a log: where zerotrain prints its one-line error."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "?"
 
 
 def cases(tiny: bool) -> list[dict]:
     """name, calibrate arguments, and a time limit in seconds, in the order they run."""
     if tiny:  # the suite's path end to end, as briefly as it goes
-        return [{"name": "tiny-flux full", "limit": 300,
-                 "args": ["--model", "tiny-flux", "--resolution", "64", "--mode", "full", "--grid", "star", *GRID]}]
+        return [{"name": "tiny-flux full", "limit": 300, "args": tiny_args("tiny-flux", "full")}]
     out = []
     for model, blocks in (("flux-dev", 2), ("sdxl-base", 3)):
         for mode in ("full", "lora"):
             out.append({"name": f"{model} {blocks} blocks {mode}", "limit": 240,
-                        "args": ["--model", model, "--blocks", str(blocks), "--mode", mode, "--grid", "full", *GRID]})
-    for model in ("qwen-image", "flux2-dev", "z-image", "chroma", "krea-2-raw", "ideogram-4", "flux3-klein-base", "qwen-image-2.1"):
-        out.append({"name": f"{model} 2 blocks lora", "limit": 150,
-                    "args": ["--model", model, "--blocks", "2", "--mode", "lora", "--grid", "star", *GRID]})
+                        "args": reduced_args(model, blocks, mode, "full")})
+    for model in ("qwen-image", "flux2-dev", "z-image", "chroma", *FAMILIES_2026):
+        out.append({"name": f"{model} 2 blocks lora", "limit": 150, "args": reduced_args(model, 2, "lora", "star")})
     # The memory floor (issue 14) on 8-block Flux-dev (--blocks 8 shares them 3 double + 5 single),
     # full fine-tune at ZeRO-2: k = 0, N/4, N/2 and N of its 8 blocks checkpointed, every block with
     # activation offload, each optimizer. (--blocks 4 keeps 1 + 3 blocks, of which 3 checkpointable:
@@ -102,17 +172,15 @@ def device_name() -> str:
 
 def run_case(case: dict, workdir: Path, hardware: list[str]) -> dict:
     out = workdir / (re.sub(r"[^\w.-]+", "-", case["name"]) + ".json")
-    command = [sys.executable, "-m", "zerotrain.cli", "calibrate", *case["args"], *hardware, "--steps", "2",
-               "--out", str(out), "--set", f"planner.cache_dir={workdir / 'facts'}"]
-    began = time.monotonic()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=case["limit"], check=False)
-        error = None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
-    except subprocess.TimeoutExpired:
+    command = calibrate_command(case["args"], hardware, out, workdir)
+    done = run_limited(command, case["limit"], out.with_suffix(".log"))
+    error = None
+    if done.timed_out:
         error = f"did not finish within {case['limit']} s"
-    seconds = round(time.monotonic() - began, 1)
-    print(f"{case['name']:36s} {seconds:7.1f} s  {error or 'ok'}", flush=True)
-    result = {"name": case["name"], "command": " ".join(command[1:]), "seconds": seconds, "error": error}
+    elif done.returncode != 0:
+        error = last_line(out.with_suffix(".log"))
+    print(f"{case['name']:36s} {done.seconds:7.1f} s  {error or 'ok'}", flush=True)
+    result = {"name": case["name"], "command": " ".join(command[1:]), "seconds": done.seconds, "error": error}
     if error is None:
         result["calibration"] = json.loads(out.read_text())
     return result
@@ -185,9 +253,14 @@ def gib(value: float | None) -> str:
 
 
 def markdown(results: list[dict], device: str, totals: dict) -> str:
-    lines = [f"# GPU suite on {device}, {date.today().isoformat()}", "",
-             ("| case | configuration | status | alloc GiB pred / meas | reserved GiB pred / meas | step s pred / meas "
-             "| img/s | MFU |"), "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"# GPU suite on {device}, {date.today().isoformat()}", "", *calibration_table(results)]
+    return "\n".join(lines + ["", *verdict(totals)]) + "\n"
+
+
+def calibration_table(results: list[dict]) -> list[str]:
+    """Each case's layouts, predicted against measured, as markdown table lines."""
+    lines = [("| case | configuration | status | alloc GiB pred / meas | reserved GiB pred / meas | step s pred / meas "
+              "| img/s | MFU |"), "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for result in results:
         if result["error"]:
             lines.append(f"| {result['name']} | | {result['error']} | | | | | |")
@@ -200,7 +273,7 @@ def markdown(results: list[dict], device: str, totals: dict) -> str:
             lines.append(f"| {result['name']} | {row['config']} | {row['status']} | {gib(p['allocated'])} / "
                          f"{gib(m.get('allocated'))} | {gib(p['reserved'])} / {gib(m.get('reserved'))} | "
                          f"{p['step_seconds']:.3g} / {step} | {speed} | {mfu} |")
-    return "\n".join(lines + ["", *verdict(totals)]) + "\n"
+    return lines
 
 
 def verdict(totals: dict) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from zerotrain.optimizers import OPTIMIZERS
+from zerotrain.optimizers import CLIENT_OPTIMIZERS, OPTIMIZERS
 
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _BYTE_UNITS = {
@@ -365,6 +365,21 @@ class OptimizerConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup over this many optimizer steps: step k (counted from 1) uses lr x k /
     warmup_steps, so the first step trains at lr / warmup_steps and step warmup_steps at the peak."""
+    torch_adam: bool = False
+    """adamw and adamw-bf16 step with torch's fused AdamW (DeepSpeed's own switch, "torch_adam": true
+    with "fused": true in the optimizer's params) instead of DeepSpeed's FusedAdam, whose CUDA op nvcc
+    compiles once per machine (about a minute; `zerotrain build-ops` does it ahead). The update is
+    AdamW's either way. For a GPU node with no time for the build, and to tell the two apart when
+    hunting a crash (benchmarks/gpu_check.py runs both). With an offloaded optimizer, torch's AdamW
+    also steps on the CPU in place of DeepSpeed's CPU Adam (slower). Keep it for a run's lifetime: a
+    resume across a change of it is not checked."""
+
+    @model_validator(mode="after")
+    def _torch_adam_is_deepspeeds(self) -> OptimizerConfig:
+        if self.torch_adam and self.name in CLIENT_OPTIMIZERS:
+            raise ValueError(f"torch_adam replaces DeepSpeed's AdamW, and optimizer.name={self.name} is built by "
+                             "zerotrain: set torch_adam: false, or optimizer.name: adamw")
+        return self
 
 
 class HardwareConfig(_Section):

@@ -110,9 +110,12 @@ def optimizer_section(name: str, run: RunConfig) -> dict[str, Any]:
     opt = run.optimizer
     if name in CLIENT_OPTIMIZERS:
         return {"zero_allow_untested_optimizer": True, "_zerotrain": {"optimizer": client_settings(name, run)}}
+    # optimizer.torch_adam: DeepSpeed builds torch's fused AdamW instead of its FusedAdam op.
+    torch_adam = {"torch_adam": True, "fused": True} if opt.torch_adam else {}
     return {"optimizer": {
         "type": "AdamW",
-        "params": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay},
+        "params": {"lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps, "weight_decay": opt.weight_decay,
+                   **torch_adam},
     }}
 
 
