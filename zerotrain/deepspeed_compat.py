@@ -41,6 +41,11 @@ The reaches, by what they serve, and their guard:
   deepspeed.ops.__compatible_ops__ (the dict build_shm_op reads; DeepSpeed caches it at first access
   so that edits persist), and the collectives stay gloo's. Guard: only with the CPU accelerator and
   no compiler; the dict is checked to be one.
+- One line before an op is compiled just in time (say_jit_builds, from init_distributed, initialize and
+  engine.cpu_adam_unavailable): whether load() would compile, as OpBuilder.load decides (its _loaded_ops,
+  git_version_info) and torch's extension cache holds it (cpp_extension._get_build_directory, and ninja's
+  dry run there), and which ops initialize loads for a config (initialize_ops, after runtime/engine.py
+  get_optimizer_configuration). Guard: only on a tested version; elsewhere nothing is said, as before.
 
 Public APIs used where they exist: torch.accelerator.empty_host_cache() to give freed pinned memory
 back, and the ds_to_universal command line (to_universal) for universal checkpoints."""
@@ -52,7 +57,7 @@ import functools
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,6 +114,7 @@ def initialize(sharing: Sharing, **kwargs: Any) -> tuple[Any, ...]:
     import deepspeed
     import torch
 
+    say_jit_builds(initialize_ops(kwargs.get("config") or {}, kwargs.get("optimizer")))
     if not sharing.enabled:
         return deepspeed.initialize(**kwargs)
     # DeepSpeed's decoupled checkpoint writer hands the master partitions to another process,
@@ -125,6 +131,27 @@ def initialize(sharing: Sharing, **kwargs: Any) -> tuple[Any, ...]:
               + "; ".join(f"{what} not shared ({n / 2**20:.1f} MiB)" for what, n in missed), file=sys.stderr,
               flush=True)
     return out
+
+
+def initialize_ops(config: Mapping[str, Any], optimizer: Any = None) -> list[str]:
+    """The JIT ops deepspeed.initialize loads for `config` (OP_BUILDERS' names), as DeepSpeed 0.19.8 chooses them:
+    its AdamW (no client `optimizer`) is torch's under "torch_adam", DeepSpeedCPUAdam (cpu_adam) with the
+    optimizer offloaded to cpu or nvme, FusedAdam (fused_adam) otherwise (runtime/engine.py
+    get_optimizer_configuration); anything on NVMe swaps through async_io (runtime/swap_tensor); offloaded
+    buffers pinned under DS_PIN_MEMORY_BACKEND=native need pin_memory (utils/pin_memory.py)."""
+    zero = config.get("zero_optimization") or {}
+    devices = {(zero.get(part) or {}).get("device") or "none" for part in ("offload_optimizer", "offload_param")}
+    offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme") and int(zero.get("stage") or 0) > 0
+    section = config.get("optimizer") or {}
+    ops = []
+    if (optimizer is None and str(section.get("type", "")).lower() in ("adam", "adamw")
+            and not (section.get("params") or {}).get("torch_adam")):
+        ops.append("cpu_adam" if offloaded else "fused_adam")
+    if "nvme" in devices:
+        ops.append("async_io")
+    if devices - {"none"} and os.environ.get(PIN_BACKEND, "torch").strip().lower() == "native":
+        ops.append("pin_memory")
+    return ops
 
 
 def _share_upload_copies(optimizer: Any) -> None:
@@ -709,6 +736,91 @@ def clear_stale_build_lock(name: str, poll_s: float = 5.0) -> Path | None:
         time.sleep(poll_s)
 
 
+# ---- one line before an op is compiled just in time ----
+
+# TRAINING_OPS by the op's name (builder.NAME: the name build-ops, doctor and torch's extension cache use).
+OP_BUILDERS = dict(zip(("deepspeed_shm_comm", "cpu_adam", "fused_adam", "pin_memory", "async_io"), TRAINING_OPS,
+                       strict=True))
+
+# How long a first build takes, for the notice. `zerotrain build-ops` on the project's 2-core CPU machine
+# (2026-11-28, its cores shared with other work): deepspeed_shm_comm 43 s, cpu_adam 81 s, fused_adam (the CPU
+# accelerator's C++ op) 60 s, pin_memory 31 s. Busier, the same kind of machine took over 4 minutes for
+# deepspeed_shm_comm (issue 38), about 5 for cpu_adam (STALE_BUILD_LOCK_S) and about 8 for async_io
+# (tests/distributed/test_nvme_offload.py). FusedAdam's CUDA op with nvcc on a 16-core GPU node: about a
+# minute (issue 38).
+BUILD_TIME = {"deepspeed_shm_comm": "1 to 4 minutes on 2 CPU cores", "cpu_adam": "1 to 5 minutes on 2 CPU cores",
+              "fused_adam": "about a minute", "pin_memory": "about 30 s on 2 CPU cores",
+              "async_io": "about 8 minutes on 2 CPU cores"}
+
+
+def jit_builds(names: Iterable[str]) -> list[tuple[str, Path]] | None:
+    """The ops among `names` (OP_BUILDERS' keys), with their build directories, that their first load() in
+    this process would compile now, as DeepSpeed 0.19.8's OpBuilder.load and jit_load and torch's
+    cpp_extension.load decide: not loaded in this process yet (OpBuilder._loaded_ops), not installed with
+    DeepSpeed for this accelerator (git_version_info), and not built in torch's extension cache for this
+    Python and torch build (_cached). An op that cannot be built here (incompatible, no ninja) is left out:
+    load() raises before compiling anything. None on a DeepSpeed not tested, whose load() may decide otherwise."""
+    if not versions.check("deepspeed").is_tested:
+        return None
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's logger and probes print as they load
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import accelerator_name, installed_ops
+        from deepspeed.ops.op_builder.builder import OpBuilder
+        from torch.utils.cpp_extension import is_ninja_available
+
+        if not is_ninja_available():  # torch's load() needs ninja even to load a built op: nothing compiles
+            return []
+        accelerator = get_accelerator()
+        pending = []
+        for name in names:
+            builder = accelerator.create_op_builder(OP_BUILDERS[name])
+            if builder is None or builder.name == "deepspeed_not_implemented" or builder.name in OpBuilder._loaded_ops:
+                continue
+            if installed_ops.get(builder.name) and accelerator_name == accelerator._name:
+                continue
+            directory, built = _cached(builder.name)
+            if not built and builder.is_compatible(False):
+                pending.append((builder.name, directory))
+        return pending
+
+
+def _cached(name: str) -> tuple[Path, bool]:
+    """Op `name`'s build directory in torch's extension cache (TORCH_EXTENSIONS_DIR, by default one folder per
+    Python and CUDA/CPU build under ~/.cache/torch_extensions), and whether it holds the op built. A fresh
+    process's first load of an extension always runs ninja there (cpp_extension._jit_compile); ninja compiles
+    nothing when <name>.so is there and no source or command changed since, which its dry run (-n) reports."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    directory = Path(_get_build_directory(name, False))
+    built = (directory / f"{name}.so").exists() and "no work to do" in subprocess.run(
+        ["ninja", "-n"], cwd=directory, capture_output=True, text=True, check=False).stdout
+    if not built:
+        with contextlib.suppress(OSError):  # _get_build_directory made the folder; asking leaves nothing behind
+            directory.rmdir()
+    return directory, built
+
+
+def say_jit_builds(names: Iterable[str]) -> list[str]:
+    """Before a run loads the ops `names`: one line on stderr for each that jit_builds finds would be compiled
+    now, a silence of minutes otherwise. The first process on each machine says it (LOCAL_RANK 0 as the
+    launchers set it, or else rank 0), since each machine compiles into its own cache. Returns the ops said."""
+    import torch
+
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isdigit():
+        first = int(local) == 0
+    else:
+        first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if not first:
+        return []
+    pending = jit_builds(names) or []
+    for name, directory in pending:
+        print(f"zerotrain: compiling DeepSpeed's {name} op before the run goes on, once per machine (and Python and "
+              f"torch build), {BUILD_TIME[name]}, into {directory}; `zerotrain build-ops` compiles the ops ahead",
+              file=sys.stderr, flush=True)
+    return [name for name, _ in pending]
+
+
 # ---- dropping a step that ran out of memory ----
 
 def abandon_step(engine: Any, micro_steps: int) -> None:
@@ -831,7 +943,8 @@ class Partitioner:
 def init_distributed(backend: str, timeout: Any = None) -> None:
     """deepspeed.init_distributed; on the CPU accelerator with no C++ compiler (CXX, or c++), first marks
     its shared-memory collective op incompatible, so that DeepSpeed keeps gloo's collectives instead of
-    failing to build the op (see the module docstring)."""
+    failing to build the op (see the module docstring); with one, says so first where the op is not
+    built yet (say_jit_builds)."""
     import shutil
 
     import deepspeed
@@ -843,4 +956,7 @@ def init_distributed(backend: str, timeout: Any = None) -> None:
         compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
         if builder is not None and isinstance(compatible, dict):
             compatible[builder.NAME] = False
+    elif accelerator.device_name() == "cpu":
+        say_jit_builds(["deepspeed_shm_comm"])  # comm/torch.py build_shm_op, as the process group starts
     deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
+

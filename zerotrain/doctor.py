@@ -363,6 +363,18 @@ def _needed_ops(layout: Any) -> dict[str, str]:
     return needed
 
 
+def _jit_note(name: str, why: str, unbuilt: list[tuple[str, Any]] | None) -> str:
+    """Whether the plan's op `name`, compiled just in time, is built on this machine already (unbuilt:
+    deepspeed_compat.jit_builds, None where DeepSpeed is not a tested version and it cannot tell)."""
+    from zerotrain.deepspeed_compat import BUILD_TIME
+
+    if unbuilt is not None and name not in {op for op, _ in unbuilt}:
+        return f"the plan's {name} ({why}) is built in torch's extension cache"
+    when = ("is JIT-compiled on first use unless built already" if unbuilt is None
+            else "is not built on this machine: the first run compiles it")
+    return f"the plan's {name} ({why}) {when} ({BUILD_TIME[name]}, once; `zerotrain build-ops` compiles it now)"
+
+
 OP_ADVICE = {
     "async_io": "install libaio (apt install libaio-dev) and reinstall DeepSpeed, or keep the plan off NVMe "
                 "(--set planner.offload=[none,cpu])",
@@ -376,7 +388,7 @@ OP_ADVICE = {
 def check_deepspeed(ctx: Context) -> Finding:
     import torch
 
-    from zerotrain.deepspeed_compat import op_report
+    from zerotrain.deepspeed_compat import jit_builds, op_report
 
     ds = op_report()
     ops, info = ds["ops"], ds["torch_info"]
@@ -387,6 +399,7 @@ def check_deepspeed(ctx: Context) -> Finding:
     notes = [f"accelerator {ds['accelerator']}", f"prebuilt ops: {', '.join(prebuilt) or 'none'}",
              f"not compatible here: {', '.join(incompatible) or 'none'}", f"ninja {'found' if ds['ninja'] else 'missing'}"]
     problems: list[Finding] = []
+    unbuilt = jit_builds([name for name in needed if name in ops])
     for name, why in needed.items():
         op = ops.get(name)
         if op is None:
@@ -401,8 +414,7 @@ def check_deepspeed(ctx: Context) -> Finding:
             problems.append(Finding("fail", f"the plan needs {name} ({why}): not prebuilt, and compiling it "
                                             "needs ninja", "pip install ninja"))
         else:
-            notes.append(f"the plan's {name} ({why}) is JIT-compiled on first use (a minute or two, once; "
-                         "`zerotrain build-ops` compiles it now)")
+            notes.append(_jit_note(name, why, unbuilt))
     if not needed:
         notes.append("no plan here, so no op is required yet" if isinstance(plan, Missing)
                      else "nothing fits, so no op is required yet")

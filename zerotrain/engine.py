@@ -259,6 +259,7 @@ def cpu_adam_unavailable() -> str | None:
 
     from deepspeed.accelerator import get_accelerator
 
+    deepspeed_compat.say_jit_builds(["cpu_adam"])
     error = None
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -160,3 +160,128 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_young_one_is_waite
     os.utime(lock, (lock.stat().st_atime, lock.stat().st_mtime - STALE_BUILD_LOCK_S - 60))
     assert clear_stale_build_lock("cpu_adam") == lock and not lock.exists()
     assert f"removed {lock}, left 31 min ago by a build of cpu_adam that did not finish" in capsys.readouterr().err
+
+
+# ---- the line a run prints before DeepSpeed compiles an op just in time (issue 38, section 7) ----
+
+def failing_compiler(folder: Path) -> tuple[Path, Path]:
+    """A C++ compiler that answers torch's version and ABI questions as the machine's c++ does and fails
+    every compile and link at once, writing down that it was asked: the build starts for real and ends in
+    milliseconds instead of minutes. Returns the compiler and the file its compile calls go to."""
+    calls = folder / "compile-calls"
+    cxx = folder / "c++"
+    cxx.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -v|--version|-dumpversion|-dumpfullversion) '
+                   'exec c++ "$@";; esac; done\necho "$@" >> ' + str(calls) + "\nexit 1\n")
+    cxx.chmod(0o755)
+    return cxx, calls
+
+
+def test_a_run_says_which_op_it_compiles_before_the_build_starts(tmp_path, monkeypatch):
+    """engine.cpu_adam_unavailable (calibrate's offload layouts; deepspeed_compat.initialize and
+    init_distributed call the same say_jit_builds) on an empty extension cache: the line is on stderr
+    before the compiler is first called, and then the build runs (and fails here, at its first compile)."""
+    import io
+    import sys
+
+    from zerotrain.engine import cpu_adam_unavailable
+
+    cxx, calls = failing_compiler(tmp_path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+
+    class Witness(io.StringIO):
+        """stderr, noting for each write whether the compiler had been called yet."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[tuple[str, bool]] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append((text, calls.exists()))
+            return super().write(text)
+
+    witness = Witness()
+    monkeypatch.setattr(sys, "stderr", witness)
+    error = cpu_adam_unavailable()
+    monkeypatch.undo()
+    said = [(text, compiled) for text, compiled in witness.writes if "compiling DeepSpeed's" in text]
+    assert len(said) == 1, witness.getvalue()[-2000:]
+    text, compiled_before = said[0]
+    assert not compiled_before, "the line came after the build had started"
+    assert (f"zerotrain: compiling DeepSpeed's cpu_adam op before the run goes on, once per machine (and Python and "
+            f"torch build), 1 to 5 minutes on 2 CPU cores, into {tmp_path / 'extensions' / 'cpu_adam'}; "
+            "`zerotrain build-ops` compiles the ops ahead") in text
+    assert calls.exists() and "cpu_adam" in calls.read_text(), "the build never reached the compiler"
+    assert error is not None and "DeepSpeedCPUAdam's op does not build here" in error
+
+
+def test_nothing_is_said_for_an_op_built_in_the_cache_and_one_line_once_it_would_rebuild(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The check is torch's and ninja's own: pin_memory as `zerotrain build-ops` left it (copied into an
+    extension cache of its own) is built; without its .so, or with its build command changed (ninja would
+    compile again), it is not; on a DeepSpeed not tested nothing is claimed."""
+    import shutil
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    built = Path(_get_build_directory("pin_memory", False))
+    if not (built / "pin_memory.so").exists():
+        pytest.skip(f"pin_memory is not built in {built}: run `zerotrain build-ops` (as .ci/run does)")
+    cache = tmp_path / "extensions"
+    shutil.copytree(built, cache / "pin_memory", ignore=shutil.ignore_patterns("lock"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert deepspeed_compat.say_jit_builds(["pin_memory"]) == []
+    assert "compiling" not in capsys.readouterr().err
+    ninja = cache / "pin_memory" / "build.ninja"
+    ninja.write_text(ninja.read_text().replace("cflags = ", "cflags = -DZEROTRAIN_CHANGED ", 1))
+    assert deepspeed_compat.say_jit_builds(["pin_memory"]) == ["pin_memory"]
+    ninja.write_text(ninja.read_text().replace("cflags = -DZEROTRAIN_CHANGED ", "cflags = ", 1))
+    assert deepspeed_compat.say_jit_builds(["pin_memory"]) == []
+    (cache / "pin_memory" / "pin_memory.so").unlink()
+    assert deepspeed_compat.say_jit_builds(["pin_memory"]) == ["pin_memory"]
+    line = (f"zerotrain: compiling DeepSpeed's pin_memory op before the run goes on, once per machine (and Python and "
+            f"torch build), about 30 s on 2 CPU cores, into {cache / 'pin_memory'}; `zerotrain build-ops` compiles the "
+            "ops ahead")
+    assert [said for said in capsys.readouterr().err.splitlines() if "compiling" in said] == [line, line]
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the machine's first process says it, the others not
+    assert deepspeed_compat.say_jit_builds(["pin_memory"]) == []
+    monkeypatch.setattr(versions, "installed", lambda name: "0.20.1" if name == "deepspeed" else None)
+    assert deepspeed_compat.jit_builds(["pin_memory"]) is None
+
+
+@pytest.mark.parametrize(("config", "client", "ops"), [
+    ({"optimizer": {"type": "AdamW", "params": {}}, "zero_optimization": {"stage": 2}}, False, ["fused_adam"]),
+    ({"optimizer": {"type": "AdamW", "params": {}},
+      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, False, ["cpu_adam"]),
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "fused": True}},
+      "zero_optimization": {"stage": 1}}, False, []),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}},
+     True, ["async_io"]),
+    ({"optimizer": {"type": "AdamW", "params": {}},
+      "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme"}}},
+     False, ["cpu_adam", "async_io"]),
+])
+def test_initialize_names_the_ops_deepspeed_loads_for_a_config(config, client, ops):
+    assert deepspeed_compat.initialize_ops(config, object() if client else None) == ops
+
+
+def test_doctor_says_whether_the_plans_op_is_built_on_this_machine(tmp_path, tmp_path_factory, monkeypatch):
+    """`zerotrain doctor` asks the same check: tiny-cpu.yaml's plan steps DeepSpeed's AdamW (fused_adam) on
+    the accelerator, built in the cache `zerotrain build-ops` filled, and not in an empty one."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from zerotrain import doctor
+    from zerotrain.config import load_config
+
+    # tiny-flux's facts where test_doctor and the e2e tests keep them: measured once per session.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+    run = load_config(REPO / "examples" / "tiny-cpu.yaml", [f"output_dir={tmp_path / 'out'}"])
+    if (Path(_get_build_directory("fused_adam", False)) / "fused_adam.so").exists():
+        ops = doctor.check_deepspeed(doctor.Context(run))
+        assert "the plan's fused_adam (AdamW on the accelerator) is built in torch's extension cache" in ops.detail
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    ops = doctor.check_deepspeed(doctor.Context(run))
+    assert ("the plan's fused_adam (AdamW on the accelerator) is not built on this machine: the first run compiles "
+            "it (about a minute, once; `zerotrain build-ops` compiles it now)") in ops.detail
