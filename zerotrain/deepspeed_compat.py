@@ -959,4 +959,3 @@ def init_distributed(backend: str, timeout: Any = None) -> None:
     elif accelerator.device_name() == "cpu":
         say_jit_builds(["deepspeed_shm_comm"])  # comm/torch.py build_shm_op, as the process group starts
     deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
-
