@@ -13,11 +13,12 @@ import pytest
 
 from zerotrain import families
 from zerotrain.calibrate import grid
-from zerotrain.config import load_config
+from zerotrain.config import RunConfig, load_config
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import share_blocks
 from zerotrain.hardware import hardware_facts
 from zerotrain.planner import calibration
+from zerotrain.planner.facts import ModelFacts
 
 
 def write(path, constants, device="NVIDIA H100 80GB HBM3"):
@@ -135,3 +136,29 @@ def test_plan_and_doctor_agree_with_a_calibration_present(tmp_path, monkeypatch,
     from_doctor = doctor.Context(run, environ={}).plan
     assert from_doctor.chosen.to_json()["layout"] == chosen["layout"]
     assert from_doctor.chosen.memory.device_total == chosen["memory"]["device_total"]
+
+
+def h200() -> tuple[list[dict], ModelFacts]:
+    """The first GPU's rows (one H200: 2-block Flux-dev LoRA at 1024 px) and the facts they were planned with."""
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    rows = json.loads((results / "h200-2026-11-28-flux-dev-2b-lora.calibration.json").read_text())["measurements"]
+    facts = ModelFacts.from_json(json.loads((results / "h200-2026-11-28-flux-dev-2b-lora.facts.json").read_text()))
+    return rows, facts
+
+
+def test_the_fetch_latency_fit_gives_the_default_back_from_the_rows_it_came_from():
+    """2-block Flux-dev fetches 34 modules (checked against DeepSpeed 0.19.8's hooks), twice a step."""
+    rows, facts = h200()
+    assert facts.fetched_modules(100_000) == 34
+    fitted = calibration.fit_fetch_latency(rows, facts, 100_000)
+    assert fitted == pytest.approx(RunConfig().planner.stage3_fetch_latency, rel=0.01)
+
+
+def test_the_fetch_latency_fit_needs_a_zero3_row_and_a_companion_at_a_lower_stage():
+    rows, facts = h200()
+    assert calibration.fit_fetch_latency([r for r in rows if r["layout"]["stage"] < 3], facts, 100_000) is None
+    # ZeRO-3 with no layout at a lower stage that runs the same micro-batch: its compute is unknown
+    alone = [r for r in rows if r["layout"]["stage"] == 3 or r["layout"]["micro_batch"] > 1]
+    assert calibration.fit_fetch_latency(alone, facts, 100_000) is None
+    broken = [{**r, "status": "crashed"} if r["layout"]["stage"] == 3 else r for r in rows]
+    assert calibration.fit_fetch_latency(broken, facts, 100_000) is None

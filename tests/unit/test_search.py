@@ -1,6 +1,8 @@
 """plan() on synthetic model facts: it is a pure function, so its rules can be tested directly."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
@@ -8,7 +10,8 @@ from zerotrain.config import load_config
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import hardware_facts
 from zerotrain.planner.facts import ActivationFacts, ModelFacts
-from zerotrain.planner.search import plan, suggest_more_gpus
+from zerotrain.planner.memory import Layout
+from zerotrain.planner.search import activations, evaluate, plan, suggest_more_gpus
 
 GiB = 2**30
 
@@ -179,3 +182,31 @@ def test_activation_offload_true_with_checkpointing_auto_checkpoints_every_block
     run = load_config(None, ["hardware.gpus=1xH100-80GB", "training.activation_offload=true"])
     found = layouts(run, hardware_facts(run.hardware), run.training.global_batch_size)
     assert found and all(l.gradient_checkpointing and l.offload_activations for l in found)
+
+
+# The first GPU's figures (one H200, 2026-11-28): calibrate's rows of 2-block Flux-dev LoRA at 1024 px,
+# and the model facts that run planned with (the tracer's output for that model, copied beside them).
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+H200_ROWS = RESULTS / "h200-2026-11-28-flux-dev-2b-lora.calibration.json"
+H200_FACTS = RESULTS / "h200-2026-11-28-flux-dev-2b-lora.facts.json"
+
+
+def test_regression_guard_h200_flux_dev_2_blocks_lora_step_time_within_1_5x_at_every_stage():
+    """A regression guard, not evidence: the planner's step time against the rows its defaults were
+    derived from (planner.assumed_mfu, planner.stage3_fetch_latency). With the H200 profile and the
+    shipped defaults, every layout's predicted step is within 1.5x of the measured forward, backward
+    and optimizer step (it was 13x at ZeRO-3 without the fetch term, and up to 2.3x at ZeRO-0)."""
+    data = json.loads(H200_ROWS.read_text())
+    model = ModelFacts.from_json(json.loads(H200_FACTS.read_text()))
+    device = hw("1xH200-141GB")
+    stages = set()
+    for row in data["measurements"]:
+        layout = Layout(**row["layout"])
+        # the facts are those the H200 run planned with
+        assert activations(layout, model).flops * layout.micro_batch == row["flops_per_step"]
+        run = run_with("training.mode=lora", f"training.global_batch_size={layout.micro_batch}")
+        predicted = evaluate(layout, model, device, run).step_seconds
+        measured = row["measured"]["forward_backward_s"] + row["measured"]["optimizer_s"]
+        assert 1 / 1.5 < measured / predicted < 1.5, (row["config"], predicted, measured)
+        stages.add(layout.stage)
+    assert stages == {0, 1, 2, 3}

@@ -436,8 +436,12 @@ class PlannerConfig(_Section):
     """Offload targets the search may choose from (nvme needs hardware.nvme_path)."""
     max_micro_batch: int = Field(32, ge=1)
     """Largest micro-batch the search tries."""
-    assumed_mfu: float = Field(0.40, gt=0.0, le=1.0)
-    """Model FLOPs utilisation assumed for the compute part of the step-time estimate."""
+    assumed_mfu: float = Field(0.26, gt=0.0, le=1.0)
+    """Model FLOPs utilisation assumed for the compute part of the step-time estimate. 0.26: the
+    median of the step-time MFU of the layouts at ZeRO 0-2 without checkpointing on the first GPU
+    (one H200, 2-block Flux-dev LoRA at 1024 px, eager: 19-31%, median 25.8%;
+    benchmarks/results/h200-2026-11-28-flux-dev-2b-lora.calibration.json). calibrate fits it per
+    family."""
     cuda_context_bytes: int = Field(600 * 2**20, ge=0)
     """Per-process CUDA context outside the allocator; 0.3-0.7 GB per process is typical;
     calibrate on the GPU."""
@@ -467,6 +471,15 @@ class PlannerConfig(_Section):
     and stage3_max_reuse_distance, so parameters reused within this many elements stay gathered."""
     stage3_param_persistence_threshold: int = Field(100_000, ge=0)
     """ZeRO-3 keeps parameters smaller than this (elements) gathered on every GPU."""
+    stage3_fetch_latency: float = Field(2.26e-3, ge=0.0)
+    """Seconds ZeRO-3 adds per call of each module whose parameters it gathers and releases
+    (ModelFacts.fetched_modules), in forward, backward and recomputation: DeepSpeed's hooks, the
+    wait for the gather (a stream synchronization on one GPU) and the release, whose fixed cost
+    dominates where a module computes little (LoRA, few tokens, small blocks). 2.26e-3: the
+    ZeRO-3 layout's forward and backward on the first GPU less the same layout's at ZeRO-0, over
+    its fetches ((0.1743 - 0.0207) s / (34 modules x 2 passes); one H200, 2-block Flux-dev LoRA at
+    1024 px, benchmarks/results/h200-2026-11-28-flux-dev-2b-lora.calibration.json). calibrate fits
+    it from its ZeRO-3 layouts."""
     sub_group_size: int = Field(1_000_000_000, ge=1)
     """ZeRO-3 optimizer sub-group, in elements: bounds the fp32 gradient copy at the step."""
     cpu_adam_params_per_second: float = Field(2.0e9, gt=0)

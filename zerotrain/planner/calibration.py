@@ -7,17 +7,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
 from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
+from zerotrain.planner.facts import ModelFacts
+from zerotrain.planner.memory import Layout
+from zerotrain.planner.search import fetches
 
 VERSION = 1
 # planner.<field> constants a calibration may fit.
 PLANNER_CONSTANTS = ("fragmentation", "cuda_context_bytes", "nccl_workspace_bytes", "cpu_adam_params_per_second",
-                     "host_offload_factor", "activation_margin")
+                     "host_offload_factor", "activation_margin", "stage3_fetch_latency")
+# What a ZeRO-3 row and its companion at a lower stage must share to run the same FLOPs the same way.
+SAME_WORK = ("micro_batch", "accumulation", "gradient_checkpointing", "checkpointed_blocks", "offload_activations",
+             "offload_optimizer")
 
 
 def default_path(profile: str) -> Path:
@@ -62,3 +69,27 @@ def apply(run: RunConfig, hw: HardwareFacts, family: str) -> tuple[RunConfig, Ha
     used = ", ".join(sorted(update)) or "none of its constants (the config sets them all)"
     margin_from = data["device"] if "activation_margin" in update else None
     return run, hw, f"Calibrated on {data['device']}, {data['date']} ({path}): {used}", margin_from
+
+
+def fit_fetch_latency(rows: list[dict[str, Any]], facts: ModelFacts, persistence_threshold: int) -> float | None:
+    """planner.stage3_fetch_latency from calibrate's rows (its calibration.json "measurements"): each
+    clean ZeRO-3 row's forward and backward, less the median of its companions' (clean rows at a
+    lower stage with the same micro-batch, accumulation, checkpointing and optimizer offload: the same
+    FLOPs without fetches) and less its predicted parameter transfers, over its fetches
+    (search.fetches with the model's facts and planner.stage3_param_persistence_threshold); the
+    median over the rows, in seconds. A ZeRO-3 row without a companion is not used: its compute would
+    come from the assumed MFU, whose error the fetches would absorb. The optimizer phase is not used,
+    so a row's skipped steps do not matter. None: no usable ZeRO-3 row."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    found = []
+    for row in (r for r in ok if r["layout"]["stage"] == 3):
+        layout = Layout(**row["layout"])
+        companions = [r["measured"]["forward_backward_s"] for r in ok if r["layout"]["stage"] < 3
+                      and all(r["layout"][key] == row["layout"][key] for key in SAME_WORK)]
+        count = fetches(layout, facts, persistence_threshold)
+        if not companions or not count:
+            continue
+        extra = (row["measured"]["forward_backward_s"] - statistics.median(companions)
+                 - row["predicted"]["time_terms"].get("param transfers", 0.0))
+        found.append(extra / count)
+    return round(max(statistics.median(found), 0.0), 6) if found else None

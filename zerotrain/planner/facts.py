@@ -85,6 +85,11 @@ class ModelFacts:
     """The most of those bytes one block takes (brought back to the GPU for its recomputation)."""
     reference_tokens: int = 0
     """Edit training: the reference images' tokens appended after the image tokens in the trace."""
+    module_largest_params: list[int] = field(default_factory=list)
+    """For every module that holds parameters itself (not through its children), the elements of
+    its largest one, sorted. ZeRO-3 fetches a module's own parameters around each of its calls
+    (DeepSpeed's iter_params(module, recurse=False)) unless every one is at most
+    stage3_param_persistence_threshold, which keeps it gathered (fetched_modules)."""
     trace_seconds: float = 0.0
     cached: bool = field(default=False, compare=False)
 
@@ -97,6 +102,12 @@ class ModelFacts:
     def checkpoint_blocks(self) -> int:
         """How many blocks partial checkpointing chooses among."""
         return sum(len(unit.names) for unit in self.checkpoint_units)
+
+    def fetched_modules(self, persistence_threshold: int) -> int:
+        """The modules whose parameters ZeRO-3 gathers and releases around each call: those holding a
+        parameter above the persistence threshold (DeepSpeed 0.19.8 mark_persistent_parameters keeps
+        the others gathered, and a module with nothing to gather waits for nothing)."""
+        return sum(1 for n in self.module_largest_params if n > persistence_threshold)
 
     def checkpoint_order(self) -> list[str]:
         """Every checkpointable block, best first."""
@@ -154,17 +165,18 @@ class ModelFacts:
 
 
 def pack_facts(facts: dict[str, ModelFacts]) -> dict[str, Any]:
-    """Facts under their keys as compact JSON: each distinct pair of block_params and param_numels is
-    stored once (they depend on the mode and LoRA settings, not on the resolution), param_numels as
-    [numel, count] runs of equal sizes. trace_seconds is left out: it is the measuring machine's."""
+    """Facts under their keys as compact JSON: each distinct set of block_params, param_numels and
+    module_largest_params is stored once (they depend on the mode and LoRA settings, not on the
+    resolution), the lists as [numel, count] runs of equal sizes. trace_seconds is left out: it is
+    the measuring machine's."""
     parameters: list[dict[str, Any]] = []
     packed = {}
     for key, one in facts.items():
         data = one.to_json()
         del data["trace_seconds"]
-        shared = {"block_params": data.pop("block_params"),
-                  "param_numels": [[n, len(list(run))] for n, run in itertools.groupby(data.pop("param_numels"))],
-                  "checkpoint_names": [unit.pop("names") for unit in data["checkpoint_units"]]}
+        shared = {"block_params": data.pop("block_params"), "param_numels": runs(data.pop("param_numels")),
+                  "checkpoint_names": [unit.pop("names") for unit in data["checkpoint_units"]],
+                  "module_largest_params": runs(data.pop("module_largest_params"))}
         if shared not in parameters:
             parameters.append(shared)
         packed[key] = {**data, "parameters": parameters.index(shared)}
@@ -181,6 +193,17 @@ def unpack_facts(data: dict[str, Any], key: str) -> ModelFacts | None:
     units = [{**unit, "names": list(names)} for unit, names in zip(entry.pop("checkpoint_units", []),
                                                                      shared.get("checkpoint_names", []), strict=True)]
     return ModelFacts.from_json({**entry, "block_params": dict(shared["block_params"]), "checkpoint_units": units,
-                                 "param_numels": [n for n, count in shared["param_numels"] for _ in range(count)]})
+                                 "param_numels": expand(shared["param_numels"]),
+                                 "module_largest_params": expand(shared.get("module_largest_params", []))})
+
+
+def runs(values: list[int]) -> list[list[int]]:
+    """[7, 7, 9] -> [[7, 2], [9, 1]]."""
+    return [[n, len(list(run))] for n, run in itertools.groupby(values)]
+
+
+def expand(packed: list[list[int]]) -> list[int]:
+    """runs() undone."""
+    return [n for n, count in packed for _ in range(count)]
 
 

@@ -2,9 +2,9 @@
 the fastest by a simple step-time model.
 
 plan() is a pure function of measured model facts, hardware facts and the run config. The
-step-time model: FLOPs at an assumed MFU, plus ring-collective traffic over the slowest link,
-plus host<->GPU offload transfers, CPU-Adam and NVMe time, with no overlap assumed. It ranks
-candidates; it is not a promise of seconds."""
+step-time model: FLOPs at an assumed MFU, plus ring-collective traffic over the slowest link, plus
+ZeRO-3's fixed cost per module fetch, plus host<->GPU offload transfers, CPU-Adam and NVMe time,
+with no overlap assumed. It ranks candidates; it is not a promise of seconds."""
 
 from __future__ import annotations
 
@@ -209,6 +209,14 @@ def activations(layout: Layout, facts: ModelFacts):
     return facts.activations(layout.gradient_checkpointing, layout.checkpointed_blocks, layout.offload_activations)
 
 
+def fetches(layout: Layout, facts: ModelFacts, persistence_threshold: int) -> float:
+    """Module fetches per optimizer step at ZeRO-3: each module holding a parameter above the
+    persistence threshold is fetched in forward, backward and recomputation, every micro-step.
+    Parameter offload fetches the same modules (from the host), so one count serves both."""
+    passes = 2 + recomputed_fraction(layout, facts)
+    return facts.fetched_modules(persistence_threshold) * passes * layout.accumulation
+
+
 def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, run: RunConfig) -> dict[str, float]:
     """Seconds per optimizer step, by term."""
     samples = layout.micro_batch * layout.accumulation
@@ -259,6 +267,9 @@ def step_time(layout: Layout, facts: ModelFacts, hw: HardwareFacts, s: Sizes, ru
         # each offloaded input down in forward and up for its recomputation, not overlapped
         moved = sum(facts.offload_input_bytes) * layout.micro_batch * layout.accumulation
         terms["activation transfers"] = 2 * moved / hw.host_to_device_bandwidth
+    if layout.stage == 3:
+        threshold = run.planner.stage3_param_persistence_threshold
+        terms["parameter fetches"] = fetches(layout, facts, threshold) * run.planner.stage3_fetch_latency
     if layout.offload_param != "none":
         moves = 2 + recomputed_fraction(layout, facts)
         terms["param transfers"] = moves * shardable / n * layout.accumulation / hw.host_to_device_bandwidth

@@ -483,6 +483,12 @@ def block_params(model: torch.nn.Module) -> dict[str, int]:
     return blocks
 
 
+def module_largest_params(model: torch.nn.Module) -> list[int]:
+    """ModelFacts.module_largest_params: the elements of the largest parameter each module holds itself."""
+    return sorted(max(p.numel() for p in own) for own in (list(m.parameters(recurse=False)) for m in model.modules())
+                  if own)
+
+
 def offload_inputs(model: torch.nn.Module, inputs: dict[str, Any], family: Any) -> tuple[list[int], int]:
     """What activation offload would move with every block checkpointed: one forward (no backward:
     only the checkpoint inputs matter) through the family's own checkpointing, recording the inputs
@@ -542,7 +548,7 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
         frozen_bytes=frozen_storage_bytes(model, quantize),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         largest_layer_params=largest, block_params=block_params(model),
-        param_numels=sorted(p.numel() for p in params),
+        param_numels=sorted(p.numel() for p in params), module_largest_params=module_largest_params(model),
         largest_trainable_param=max((p.numel() for p in params if p.requires_grad), default=0),
         image_tokens=family.image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
         no_checkpointing=no_gc, checkpointing=gc, checkpoint_units=units, offload_input_bytes=moved,
