@@ -54,6 +54,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -481,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check(args: argparse.Namespace, setting: Setting, workdir: Path) -> int:
+    # Stopped from outside (a scheduler's SIGTERM): stop the running case's process group too
+    # (run_limited), keeping the results saved so far, where that case shows as running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     every = cases(setting, workdir, args.sanitizer)
     wanted = [part for part in (args.only or "").split(",") if part]
     selected = with_prerequisites([c for c in every if not wanted or any(w in c.name for w in wanted)], every)

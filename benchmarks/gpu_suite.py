@@ -84,23 +84,24 @@ def run_limited(command: list[str], limit: float, log: Path, env: dict[str, str]
     `log`. At `limit` seconds the whole group is stopped (SIGTERM, then SIGKILL KILL_GRACE_S later):
     a calibrate or train process leaves compile workers and DeepSpeed helpers behind, which a kill of
     the direct child alone would leave holding the GPU. Whatever of the group outlives a normal exit
-    is killed too."""
+    is killed too, and so is the group when this process is interrupted while it waits."""
     log.parent.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
+    returncode: int | None = None
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=cwd, start_new_session=True)
         try:
-            returncode: int | None = proc.wait(timeout=limit)
+            returncode = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             _signal_group(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=KILL_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
-            returncode = None
-        _signal_group(proc.pid, signal.SIGKILL)
-        proc.wait()
+        finally:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
     return Finished(returncode, round(time.monotonic() - began, 1))
 
 
