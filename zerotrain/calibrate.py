@@ -1,7 +1,7 @@
 """`zerotrain calibrate`: the planner measured against the machine it runs on, in one command.
 
-    zerotrain calibrate --model flux-dev --blocks 4 --mode lora          # one process, this node's GPU
-    deepspeed --num_gpus 2 --module zerotrain.cli calibrate --config run.yaml  # two ranks (or torchrun ... -m)
+    zerotrain calibrate --model flux-dev --blocks 4 --mode lora          # this node's GPU, one rank per layout
+    zerotrain calibrate --config run.yaml --ranks 2                       # two GPUs: two ranks per layout (torchrun)
     DS_ACCELERATOR=cpu zerotrain calibrate --config examples/tiny-cpu.yaml   # host RAM and time only
 
 It takes the flags and config of `zerotrain plan`, builds the denoiser from its config with random
@@ -10,13 +10,21 @@ few real optimizer steps through zerotrain's own engine (engine.apply_mode and b
 DeepSpeed JSON the planner writes, the engine calls of train.py) for a small grid around the
 planned layout: one dimension changed at a time (stage, checkpointing, micro-batch, offload), or
 every combination with --grid full. For each it measures, per phase, the peak allocated and
-reserved GPU memory, the host RSS, the forward/backward and optimizer seconds, images/s and MFU,
-and prints them beside the planner's predictions (a table, and JSON with --json).
+reserved GPU memory, the host RSS, the tensor bytes after init, the forward/backward and optimizer
+seconds, the steps DeepSpeed skipped, images/s and MFU, and prints them beside the planner's
+predictions (a table, and JSON with --json).
 
-Then it fits the planner's constants to what it measured (fragmentation, CUDA context and NCCL,
-the host-offload factor, achieved MFU of the family, CPU Adam rate, host<->device bandwidth) and
-writes calibration.json; later plans of the same GPU profile use it (planner.calibration). What
-this machine cannot show (no GPU: memory and MFU) stays the default, and the output says so."""
+Each layout runs in processes of its own (measure_apart: a fresh CUDA context and none of what
+DeepSpeed leaves in a process; several ranks under torchrun), stopped after --layout-timeout. One
+that crashes, hangs or runs out of memory gets a row saying so, with its last lines; this process
+plans and launches only, and rewrites calibration.json after every layout, so a run cut off keeps
+what finished.
+
+Then it fits the planner's constants to the clean rows (fragmentation, CUDA context and NCCL, the
+host-offload factor, achieved MFU of the family, ZeRO-3's fetch latency, CPU Adam rate from rows
+without a skipped step, host<->device bandwidth) and writes calibration.json; later plans of the
+same GPU profile use it (planner.calibration). What this machine cannot show (no GPU: memory and
+MFU) stays the default, and the output says so."""
 
 from __future__ import annotations
 
@@ -27,9 +35,13 @@ import dataclasses
 import gc
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,7 +74,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, help="calibration.json to write (default: the GPU profile's calibration in "
                                             "~/.cache/zerotrain/calibration/ on a GPU, ./calibration.json on CPU)")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, default=1,
+                   help="processes (GPUs of this node) that measure each layout together: each layout runs in "
+                        "a process group of its own, started by torchrun when more than 1")
+    p.add_argument("--layout-timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="a layout that has not finished after this many seconds is stopped and recorded as "
+                        "timed out (its start, the model's build and every step included)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure the grid this many times over, in order (each measurement a fresh process)")
 
 
 # --- host memory ------------------------------------------------------------------------------------
@@ -105,9 +124,13 @@ def build_model(spec, run: RunConfig, checkpointing: bool | list[str], layout: L
     finally:
         torch.set_default_dtype(default)
     # LoRA adapters come in fp32; DeepSpeed casts them, as in training. Activation offload and
-    # compiled blocks as training applies them for this layout.
-    apply_mode(model, spec, run, checkpointing, layout is not None and layout.offload_activations,
-               layout.stage if layout is not None else None)
+    # compiled blocks as training applies them for this layout; its warnings as train.py prints them.
+    lines = apply_mode(model, spec, run, checkpointing, layout is not None and layout.offload_activations,
+                       layout.stage if layout is not None else None)
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            if line.startswith("warning: "):
+                print(f"zerotrain: {line}", file=sys.stderr, flush=True)
     return model
 
 
@@ -194,10 +217,12 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     model = build_model(spec, run, checkpointing, layout)
     engine = build_engine(model, config, run, device)
     peaks.end("init")
+    init_bytes = live_tensor_bytes()
     side, tokens = run.data.resolution, run.data.text_tokens or family.default_text_tokens
     generator_seed = run.training.seed + topo.rank
     laps = PhaseLaps(peaks)
     feed = RandomFeed(family, spec, layout.micro_batch, side, tokens, device)
+    skipped = 0
     try:
         for step in range(steps + 1):
             torch.manual_seed(generator_seed + step)
@@ -205,6 +230,9 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
             failed = one_step(engine, feed, layout.accumulation, laps)  # accumulation 1: one micro-batch per step
             if not all_ok(failed is None):  # every rank learns of it, and stops measuring this layout
                 raise torch.OutOfMemoryError(failed or "CUDA out of memory on another rank")
+            # DeepSpeed's overflow check skipped the update (non-finite gradients): its optimizer
+            # phase did no optimizer's work
+            skipped += not engine.was_step_applied()
         rss = host_rss()
     finally:
         engine.destroy()
@@ -215,10 +243,34 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     return {
         "allocated": peaks.allocated, "reserved": peaks.reserved,
         "host_rss_peak": None if rss is None or floor is None else rss[1] - floor[0],
-        "host_rss_floor": None if floor is None else floor[0],  # what earlier configurations left behind
+        "host_rss_floor": None if floor is None else floor[0],  # what the process held before the model
+        "init_tensor_bytes": init_bytes,
         "forward_backward_s": statistics.median(laps.times["forward_backward"]),
         "optimizer_s": statistics.median(laps.times["optimizer"]),
+        "skipped_steps": skipped,
     }
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor this process holds (meta excepted), each storage counted once: after a
+    layout's init, its model and engine, and anything an earlier layout left behind in the same
+    process. On the CPU no allocator counts them; on a GPU it agrees with the allocator's count."""
+    import torch
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without a storage of their own (sparse, ...)
+            continue
+        key = (storage.device, storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
 
 
 def one_step(engine, feed, accumulation: int, laps) -> str | None:
@@ -272,7 +324,7 @@ def grid(result: Plan, kind: str) -> list[Layout]:
     return list(dict.fromkeys(star))
 
 
-def measurable(candidate: Candidate, topo: Topology, device: torch.device) -> str | None:
+def measurable(candidate: Candidate, ranks: int, on_gpu: bool) -> str | None:
     """Why a candidate is not run, or None. The host is never pushed past its budget. With several
     ranks, a configuration predicted not to fit the GPU is left out: an out-of-memory error on one
     rank would leave the others waiting in a collective (measure it with one process)."""
@@ -280,7 +332,7 @@ def measurable(candidate: Candidate, topo: Topology, device: torch.device) -> st
         return f"skipped: {candidate.rejected}"
     if candidate.rejected and "NVMe" in candidate.rejected:
         return f"skipped: {candidate.rejected}"
-    if not candidate.fits and device.type == "cuda" and topo.world_size > 1:
+    if not candidate.fits and on_gpu and ranks > 1:
         return f"skipped: predicted not to fit ({candidate.rejected}); run with one process to try it"
     return None
 
@@ -288,23 +340,34 @@ def measurable(candidate: Candidate, topo: Topology, device: torch.device) -> st
 # --- the fit ----------------------------------------------------------------------------------------
 
 
-def fit(rows: list[dict], hw, facts, family: str, bandwidth: float | None,
-        context: dict[str, int] | None, on_gpu: bool) -> tuple[dict[str, Any], list[str]]:
-    """The planner's constants that the measurements determine, and the names of those they do not."""
+def fit(rows: list[dict], hw, facts, family: str, planner, on_gpu: bool) -> tuple[dict[str, Any], list[str]]:
+    """The planner's constants that the clean measurements determine, and the names of those they
+    do not. Rows that crashed, timed out or ran out of memory measured nothing (the margin counts an
+    out-of-memory row as a bound); a row with a skipped step did no optimizer's work in it."""
     ok = [r for r in rows if r["status"] == "ok"]
+    context = next((r["measured"]["cuda_overheads"] for r in ok if r["measured"].get("cuda_overheads")), None)
+    rates = [r["measured"]["host_to_device_bandwidth"] for r in ok if r["measured"].get("host_to_device_bandwidth")]
+    bandwidth = statistics.median(rates) if rates else None
     constants: dict[str, Any] = {}
     if on_gpu and ok:
         ratios = [r["measured"]["reserved"] / r["measured"]["allocated"] - 1 for r in ok if r["measured"]["allocated"]]
         if ratios:
             constants["fragmentation"] = round(max(0.0, statistics.median(ratios)), 4)
-        mfu = [r["flops_per_step"] / (hw.peak_bf16_flops * r["measured"]["forward_backward_s"]) for r in ok]
-        constants["assumed_mfu"] = {family: round(statistics.median(mfu), 4)}
+        # ZeRO-3's forward and backward also wait on its fetches (planner.stage3_fetch_latency,
+        # fitted below): the compute rate is the other stages'.
+        mfu = [r["flops_per_step"] / (hw.peak_bf16_flops * r["measured"]["forward_backward_s"])
+               for r in ok if r["layout"]["stage"] < 3]
+        if mfu:
+            constants["assumed_mfu"] = {family: round(statistics.median(mfu), 4)}
+        latency = calibration.fit_fetch_latency(rows, facts, planner.stage3_param_persistence_threshold)
+        if latency is not None:
+            constants["stage3_fetch_latency"] = latency
     if context:
         constants["cuda_context_bytes"] = context["cuda_context_bytes"]
         constants["nccl_workspace_bytes"] = context["nccl_workspace_bytes"]
     if bandwidth:
         constants["host_to_device_bandwidth"] = bandwidth
-    offloaded = [r for r in ok if r["layout"]["offload_optimizer"] == "cpu"]
+    offloaded = [r for r in ok if r["layout"]["offload_optimizer"] == "cpu" and not r["measured"].get("skipped_steps")]
     # CPU Adam: the node's ranks step their partitions at once (search.step_time's "cpu adam" term);
     # the optimizer phase beyond the predicted host<->device transfers is its time. Parameters over
     # seconds, summed over the offloaded layouts, so a noisy short step weighs little.
@@ -420,101 +483,237 @@ def size(n: float | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Every rank: join the job (one process: a job of one), measure, and leave the group."""
-    from zerotrain.deepspeed_compat import init_distributed
-    from zerotrain.distributed import accelerator, shutdown, topology, use_device
-    from zerotrain.quiet import quiet_libraries
-    from zerotrain.train import allocator_settings, standalone_rendezvous
+    """Plan, measure each layout of the grid in processes of its own, fit, write calibration.json
+    and report. This process starts no accelerator context and joins no process group: it only
+    plans and launches."""
+    from zerotrain.distributed import topology
 
-    run = config_from_args(args)
+    if topology().world_size > 1:
+        raise ZerotrainError("zerotrain calibrate was started by a launcher (WORLD_SIZE > 1), but it starts its "
+                             "own ranks, a process group for each layout: run it as one process, with "
+                             "--ranks N for N GPUs")
+    for flag, value in (("--ranks", args.ranks), ("--repeat", args.repeat), ("--steps", args.steps)):
+        if value < 1:
+            raise ZerotrainError(f"{flag} {value}: give at least 1")
+    if args.layout_timeout <= 0:
+        raise ZerotrainError(f"--layout-timeout {args.layout_timeout:g}: give a number of seconds above 0")
+    return calibrate(args, config_from_args(args))
+
+
+def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
+    """Plan here; each layout measured apart (measure_apart); the document rewritten after each."""
+    from zerotrain.engine import cpu_adam_unavailable
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.entry import plan_for_run
+    from zerotrain.planner.measure import measure_model
+
+    ranks = args.ranks
+    spec = reduced_spec(resolve_model(run.model), args.blocks)
+    # Every rank builds its own model from the config (build_model): the plans count a whole copy
+    # per rank to load, as model.load: whole does.
+    run = run.model_copy(update={"training": run.training.model_copy(update={
+        "global_batch_size": max(run.training.global_batch_size // ranks, 1) * ranks}),
+        "model": run.model.model_copy(update={"load": Loading.whole})})
+    facts = measure_model(spec, run)
+    planned = plan_for_run(run, spec, ranks, facts=facts, calibrated=False)
+    hw, result = planned.hw, planned.result
+    layouts = grid(result, args.grid) * args.repeat
+    # Built here, once, before the layouts' ranks would each build it at once on a fresh machine.
+    no_cpu_adam = cpu_adam_unavailable() if any(layout.offload_optimizer == "cpu" for layout in layouts) else None
+    on_gpu = accelerator_type() == "cuda"
+    out = args.out or (calibration.default_path(hw.gpu_name) if on_gpu else Path("calibration.json"))
+    head = {"version": calibration.VERSION, "profile": hw.gpu_name, "date": date.today().isoformat(),
+            "model": spec.name, "resolution": run.data.resolution, "mode": run.training.mode.value,
+            "world_size": ranks}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="zerotrain-calibrate-") as work, stop_on_sigterm():
+        for index, layout in enumerate(layouts):
+            trial = run.model_copy(update={"training": run.training.model_copy(
+                update={"global_batch_size": layout.micro_batch * ranks})})
+            candidate = evaluate(layout, facts, hw, trial)
+            row = {"config": describe(layout), "layout": dataclasses.asdict(layout),
+                   "predicted": prediction(candidate, hw, on_gpu, facts),
+                   "flops_per_step": activations(layout, facts).flops * layout.micro_batch,
+                   "fits": candidate.fits, "rejected": candidate.rejected,
+                   "status": measurable(candidate, ranks, on_gpu) or "ok"}
+            if row["status"] == "ok" and layout.offload_optimizer == "cpu" and no_cpu_adam:
+                row["status"] = f"skipped: {no_cpu_adam}"
+            if row["status"] == "ok":
+                print(f"calibrate: [{index + 1}/{len(layouts)}] {row['config']} ...", file=sys.stderr, flush=True)
+                job = {"run": trial.model_dump(mode="json"), "blocks": args.blocks, "layout": row["layout"],
+                       "steps": args.steps, "checkpointing": result.checkpointed(layout), "debug": bool(args.debug)}
+                row.update(measure_apart(job, ranks, args.layout_timeout, Path(work) / f"layout-{index}"))
+            rows.append(row)
+            # after every layout: a run cut off keeps what finished
+            document = finish(head, rows, hw, facts, spec, run.planner, on_gpu, complete=index + 1 == len(layouts))
+            write_atomically(out, document)
+    if args.json:
+        print(json.dumps(document, indent=1, default=str))
+    else:
+        report(document, out)
+    return 0
+
+
+def finish(head: dict, rows: list[dict], hw, facts, spec, planner, on_gpu: bool, complete: bool) -> dict:
+    """The calibration document of the rows measured so far: their derived figures, and the
+    constants fitted to the clean ones."""
+    for row in rows:
+        m = row.get("measured")
+        if row["status"] == "ok" and m and "images_per_second" not in m:
+            step = m["forward_backward_s"] + m["optimizer_s"]
+            m["images_per_second"] = row["layout"]["micro_batch"] * head["world_size"] / step
+            m["mfu"] = row["flops_per_step"] / (hw.peak_bf16_flops * step) if on_gpu else None
+    devices = [row["measured"]["device"] for row in rows if row.get("measured")]
+    device = devices[0] if devices else (f"cpu ({os.cpu_count()} cores)" if not on_gpu else hw.gpu_name)
+    constants, defaults = fit(rows, hw, facts, families.of(spec).name, planner, on_gpu)
+    return {**head, "device": device, "complete": complete, "constants": constants, "defaults": defaults,
+            "measurements": rows}
+
+
+def write_atomically(out: Path, document: dict) -> None:
+    """Written beside, then renamed over: a reader never sees half a file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(document, indent=1, default=str))
+    tmp.replace(out)
+
+
+def accelerator_type() -> str:
+    """The device type the layouts' processes will use (DeepSpeed's accelerator choice, DS_ACCELERATOR
+    included), found without creating a CUDA context here."""
+    from zerotrain.distributed import accelerator
+
+    return accelerator()[0]
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """SIGTERM (a scheduler's, `timeout`'s) unwinds like Ctrl-C, so that the running layout's
+    processes are stopped with it instead of living on, holding the GPU."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# --- one layout in processes of its own -------------------------------------------------------------
+
+
+def measure_apart(job: dict, ranks: int, timeout: float, folder: Path) -> dict:
+    """Run one layout in fresh processes (a fresh CUDA context, none of DeepSpeed's process-wide
+    state from earlier layouts: ZeRO-3 keeps the module and replaces F.linear for the rest of a
+    process), one per rank: `python -m zerotrain.calibrate_layout JOB` alone, under torchrun for several
+    ranks, the way DeepSpeed's autotuner launches each experiment as a job of its own. torchrun
+    stops the other ranks when one fails. Returns the row's status, measurement and, when it
+    failed, the last lines it printed."""
+    folder.mkdir(parents=True)
+    (folder / "job.json").write_text(json.dumps(job))
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    command = [sys.executable, *launcher, "-m", "zerotrain.calibrate_layout", str(folder / "job.json")]
+    log = folder / "output.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            stop_tree(proc)
+    results = [read_result(folder / f"rank{rank}.json") for rank in range(ranks)]
+    oom = next((r["oom"] for r in results if r and "oom" in r), None)
+    if oom is not None:  # measured: this layout does not fit
+        return {"status": f"oom: {oom[:120]}", "measured": None}
+    if code == 0 and all(results):
+        return {"status": "ok", "measured": merge(results)}
+    tail = log.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+    if code is None:
+        status = f"timeout: not finished after {timeout:g} s (--layout-timeout)"
+    elif code < 0:
+        status = f"crashed: killed by {signal.Signals(-code).name}"
+    else:
+        status = f"crashed: exit code {code}"
+    print(f"calibrate: {status}; its last lines:", *tail, sep="\n", file=sys.stderr, flush=True)
+    return {"status": status, "measured": None, "error": tail}
+
+
+# The last lines of a failed layout's output kept in its row (its exception, printed before any barrier).
+TAIL_LINES = 25
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """End a layout's process and everything it started (torchrun's ranks), if still running."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    if proc.poll() is None:
+        proc.kill()
+    for child in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    proc.wait()
+
+
+def read_result(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # never written: the rank died first
+        return None
+
+
+def worker(job_file: Path) -> int:
+    """One rank of one layout's processes: measure, write this rank's result beside the job, leave.
+    An error prints its real exception at once and ends the process without a barrier: a collective
+    over a sticky CUDA error fails, and the NCCL watchdog then aborts the process before the
+    original exception is printed."""
+    import torch
+
+    from zerotrain.deepspeed_compat import init_distributed
+    from zerotrain.distributed import accelerator, shutdown, standalone_rendezvous, topology, use_device
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.quiet import quiet_libraries
+    from zerotrain.train import allocator_settings
+
+    job = json.loads(job_file.read_text())
+    run = RunConfig.model_validate(job["run"])
     topo = topology()
     allocator_settings(run)
     if topo.world_size == 1:
         standalone_rendezvous()
     device = use_device(topo)
     before_group = outside_allocator(device)
-    with quiet_libraries(args.debug or run.logging.verbose, topo.rank):
+    result_file = job_file.parent / f"rank{topo.rank}.json"
+    with quiet_libraries(job["debug"] or run.logging.verbose, topo.rank):
         init_distributed(accelerator()[1])
         try:
-            return calibrate(args, run, topo, device, before_group)
-        finally:
-            shutdown(clean=True)
-
-
-def calibrate(args: argparse.Namespace, run: RunConfig, topo: Topology, device: torch.device,
-              before_group: int | None) -> int:
-    """Plan, measure the grid, fit, write calibration.json and report (rank 0)."""
-    import torch
-
-    from zerotrain.distributed import barrier, gather_objects
-    from zerotrain.engine import cpu_adam_unavailable
-    from zerotrain.models.catalog import resolve_model
-    from zerotrain.planner.entry import plan_for_run
-    from zerotrain.planner.measure import measure_model
-
-    spec = reduced_spec(resolve_model(run.model), args.blocks)
-    family = families.of(spec).name
-    # Every rank builds its own model from the config (build_model): the plans count a whole copy
-    # per rank to load, as model.load: whole does.
-    run = run.model_copy(update={"training": run.training.model_copy(update={
-        "global_batch_size": max(run.training.global_batch_size // topo.world_size, 1) * topo.world_size}),
-        "model": run.model.model_copy(update={"load": Loading.whole})})
-    facts = measure_model(spec, run) if topo.is_main else None
-    facts = gather_objects(facts)[0]
-    planned = plan_for_run(run, spec, topo.world_size, facts=facts, calibrated=False)
-    hw, result = planned.hw, planned.result
-    layouts = gather_objects(grid(result, args.grid))[0]  # every rank measures rank 0's list, in its order
-    no_cpu_adam = cpu_adam_unavailable() if any(layout.offload_optimizer == "cpu" for layout in layouts) else None
-    rows = []
-    for layout in layouts:
-        trial = run.model_copy(update={"training": run.training.model_copy(
-            update={"global_batch_size": layout.micro_batch * topo.world_size})})
-        candidate = evaluate(layout, facts, hw, trial)
-        row = {"config": describe(layout), "layout": dataclasses.asdict(layout), "predicted": prediction(candidate, hw, device.type == "cuda", facts),
-               "flops_per_step": activations(layout, facts).flops * layout.micro_batch,
-               "fits": candidate.fits, "rejected": candidate.rejected,
-               "status": measurable(candidate, topo, device) or "ok"}
-        if row["status"] == "ok" and layout.offload_optimizer == "cpu" and no_cpu_adam:
-            row["status"] = f"skipped: {no_cpu_adam}"
-        if row["status"] == "ok":
-            if topo.is_main:
-                print(f"calibrate: {row['config']} ...", file=sys.stderr, flush=True)
-            try:
-                measured = run_layout(layout, spec, trial, topo, device, args.steps, result.checkpointed(layout))
-            except torch.OutOfMemoryError as err:  # measured: this layout does not fit (every rank knows it)
-                row["status"] = f"oom: {' '.join(str(err).split())[:120]}"
-                measured = None
-            ranks = gather_objects(measured)
-            row["measured"] = merge(ranks) if all(ranks) else None
-        rows.append(row)
-        barrier()
-    bandwidth = host_to_device_bandwidth(device)
-    context = cuda_overheads(device, before_group)
-    if not topo.is_main:
-        return 0
-    for row in rows:
-        if row["status"] == "ok":
-            m = row["measured"]
-            m["images_per_second"] = row["layout"]["micro_batch"] * topo.world_size / (
-                m["forward_backward_s"] + m["optimizer_s"])
-            m["mfu"] = (row["flops_per_step"] / (hw.peak_bf16_flops * (m["forward_backward_s"] + m["optimizer_s"]))
-                        if device.type == "cuda" else None)
-    constants, defaults = fit(rows, hw, facts, family, bandwidth, context, device.type == "cuda")
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    out = args.out or (calibration.default_path(hw.gpu_name) if device.type == "cuda" else Path("calibration.json"))
-    document = {"version": calibration.VERSION, "device": device_name, "profile": hw.gpu_name,
-                "date": date.today().isoformat(), "model": spec.name, "resolution": run.data.resolution,
-                "mode": run.training.mode.value, "world_size": topo.world_size, "constants": constants,
-                "defaults": defaults, "measurements": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(document, indent=1, default=str))
-    tmp.replace(out)
-    if args.json:
-        print(json.dumps(document, indent=1, default=str))
-    else:
-        report(document, out)
+            spec = reduced_spec(resolve_model(run.model), job["blocks"])
+            result = run_layout(Layout(**job["layout"]), spec, run, topo, device, job["steps"], job["checkpointing"])
+            result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+                f"cpu ({os.cpu_count()} cores)"
+            result["cuda_overheads"] = cuda_overheads(device, before_group)
+            result["host_to_device_bandwidth"] = host_to_device_bandwidth(device)
+        except torch.OutOfMemoryError as err:
+            # Written before leaving: the exit code makes torchrun stop any rank still waiting.
+            write_atomically(result_file, {"oom": " ".join(str(err).split())[:200]})
+            os._exit(OOM_EXIT)
+        except BaseException:  # noqa: BLE001 (anything, SystemExit included: printed, then the process ends)
+            traceback.print_exc(file=sys.__stderr__)
+            sys.__stderr__.flush()
+            os._exit(1)
+        write_atomically(result_file, result)
+        shutdown(clean=True)
     return 0
+
+
+OOM_EXIT = 3
 
 
 def merge(ranks: list[dict]) -> dict:
@@ -523,13 +722,18 @@ def merge(ranks: list[dict]) -> dict:
     rss = [r["host_rss_peak"] for r in ranks if r["host_rss_peak"] is not None]
     floors = [r["host_rss_floor"] for r in ranks if r["host_rss_floor"] is not None]
     return {
+        "device": ranks[0]["device"],
         "allocated": max((r["allocated"][p] for r in ranks for p in phases), default=0),
         "reserved": max((r["reserved"][p] for r in ranks for p in phases), default=0),
         "phases": {p: max(r["allocated"][p] for r in ranks) for p in phases},
         "host_rss_peak": max(rss, default=None),
         "host_rss_floor": max(floors, default=None),
+        "init_tensor_bytes": max(r["init_tensor_bytes"] for r in ranks),
         "forward_backward_s": max(r["forward_backward_s"] for r in ranks),
         "optimizer_s": max(r["optimizer_s"] for r in ranks),
+        "skipped_steps": max(r["skipped_steps"] for r in ranks),
+        "cuda_overheads": ranks[0]["cuda_overheads"],
+        "host_to_device_bandwidth": ranks[0]["host_to_device_bandwidth"],
     }
 
 
@@ -550,8 +754,9 @@ def report(document: dict, out: Path) -> None:
                           "", "", f"{p['step_seconds']:.3g}", "", "")
             continue
         gpu = bool(m["allocated"])
+        skipped = f" ({m['skipped_steps']} steps skipped: non-finite gradients)" if m.get("skipped_steps") else ""
         table.add_row(
-            row["config"], row["status"],
+            row["config"], row["status"] + skipped,
             f"{size(p['allocated'])} / {size(m['allocated']) if gpu else 'n/a'}",
             f"{size(p['reserved'])} / {size(m['reserved']) if gpu else 'n/a'}",
             f"{size(p['host_rss'])} / {size(m['host_rss_peak'])}",
@@ -566,3 +771,4 @@ def report(document: dict, out: Path) -> None:
     console.print(f"Fitted: {fitted}")
     console.print(f"Defaults kept (not measurable in this run): {', '.join(document['defaults']) or 'none'}")
     console.print(f"Written to {out}; plans use it with planner.calibration: {out}")
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +163,31 @@ def test_the_fetch_latency_fit_needs_a_zero3_row_and_a_companion_at_a_lower_stag
     assert calibration.fit_fetch_latency(alone, facts, 100_000) is None
     broken = [{**r, "status": "crashed"} if r["layout"]["stage"] == 3 else r for r in rows]
     assert calibration.fit_fetch_latency(broken, facts, 100_000) is None
+
+
+def test_the_fit_uses_only_clean_rows():
+    """calibrate's fit (calibrate.fit) on the first GPU's rows: a layout that crashed, timed out or ran
+    out of memory measured nothing and changes no constant; the family's MFU comes from ZeRO 0-2
+    (ZeRO-3 also waits on its fetches); the CPU Adam rate leaves out a row whose step was skipped."""
+    from zerotrain.calibrate import fit
+
+    rows, facts = h200()
+    run = load_config(None, ["hardware.gpus=1xH200-141GB"])
+    hw = hardware_facts(run.hardware)
+    constants, _ = fit(rows, hw, facts, "flux", run.planner, True)
+    failed = [{**rows[0], "status": status, "measured": None, "error": ["..."]}
+              for status in ("crashed: killed by SIGABRT", "timeout: not finished after 900 s (--layout-timeout)")]
+    assert fit(rows + failed, hw, facts, "flux", run.planner, True)[0] == constants
+    clean = [r for r in rows if r["layout"]["stage"] < 3]
+    mfu = [r["flops_per_step"] / (hw.peak_bf16_flops * r["measured"]["forward_backward_s"]) for r in clean]
+    assert len(clean) == 6 and constants["assumed_mfu"]["flux"] == pytest.approx(statistics.median(mfu), abs=1e-4)
+    assert constants["stage3_fetch_latency"] == pytest.approx(RunConfig().planner.stage3_fetch_latency, rel=0.01)
+
+    def offloaded(row, optimizer_s, skipped):
+        return {**row, "layout": {**row["layout"], "offload_optimizer": "cpu"},
+                "measured": {**row["measured"], "optimizer_s": optimizer_s, "skipped_steps": skipped}}
+
+    base = rows[0]
+    steady = fit([offloaded(base, 1.0, 0)], hw, facts, "flux", run.planner, True)[0]["cpu_adam_params_per_second"]
+    both = [offloaded(base, 1.0, 0), offloaded(base, 0.01, 2)]  # a skipped step did no optimizer's work
+    assert fit(both, hw, facts, "flux", run.planner, True)[0]["cpu_adam_params_per_second"] == steady
