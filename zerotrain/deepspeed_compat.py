@@ -47,6 +47,14 @@ The reaches, by what they serve, and their guard:
   dry run there), and which ops initialize loads for a config (initialize_ops, after runtime/engine.py
   get_optimizer_configuration). Guard: only on a tested version; elsewhere nothing is said, as before.
 
+- What ZeRO-3 leaves in a process after engine.destroy() (release_process_state): the root module
+  in runtime/zero/parameter_offload.py's FWD_MODULE_STACK, `_z3_optimizer` on every parameter
+  (stage3.py), and torch.nn.functional.linear replaced by zero3_linear_wrap for the rest of the
+  process (partition_parameters.py, memory_efficient_linear). zerotrain runs one engine per process
+  (calibrate measures each layout in processes of its own); this is for in-process uses that stay
+  (test workers that build several engines). Guard: each global is checked to be what these
+  versions make before it is reset.
+
 Public APIs used where they exist: torch.accelerator.empty_host_cache() to give freed pinned memory
 back, and the ds_to_universal command line (to_universal) for universal checkpoints."""
 
@@ -959,3 +967,37 @@ def init_distributed(backend: str, timeout: Any = None) -> None:
     elif accelerator.device_name() == "cpu":
         say_jit_builds(["deepspeed_shm_comm"])  # comm/torch.py build_shm_op, as the process group starts
     deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
+
+
+def release_process_state(module: torch.nn.Module | None = None) -> list[str]:
+    """Undo the process-wide state a ZeRO-3 engine leaves behind after its destroy() (the module
+    docstring), and dynamo's caches of compiled blocks, so that a later engine in the same process
+    runs torch's own F.linear and finds no earlier module on DeepSpeed's stack. `module`: the model
+    the engine trained, whose parameters lose their `_z3_optimizer`. Returns what was released.
+    It does not make the process as good as new: on the CPU, tiny-flux's ZeRO-3 partitions
+    (1.26 MB, the next ZeRO-0 layout's init bytes 2.36 MB instead of 1.10 MB) stay reachable after it,
+    held from outside Python's objects. Measurements run one engine per process (calibrate_layout).
+    Nothing on a DeepSpeed version not tested."""
+    import torch
+
+    released: list[str] = []
+    if not versions.check("deepspeed").is_tested:  # other versions may keep this state elsewhere
+        return released
+    from deepspeed.runtime.zero import parameter_offload, partition_parameters
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list) and stack:
+        stack.clear()
+        released.append("FWD_MODULE_STACK")
+    original = getattr(partition_parameters.InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is partition_parameters.zero3_linear_wrap:
+        torch.nn.functional.linear = original
+        released.append("F.linear")
+    if module is not None:
+        held = [p for p in module.parameters() if hasattr(p, "_z3_optimizer")]
+        for param in held:
+            del param._z3_optimizer
+        if held:
+            released.append("_z3_optimizer")
+    torch._dynamo.reset()  # compiled blocks' graphs and guards, and the recompile counters
+    return released

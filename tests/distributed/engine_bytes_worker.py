@@ -229,7 +229,7 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
     import deepspeed.comm
 
     from zerotrain.config.sections import RunConfig
-    from zerotrain.deepspeed_compat import Sharing, unshared
+    from zerotrain.deepspeed_compat import Sharing, release_process_state, unshared
     from zerotrain.engine import initialize
     from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
@@ -390,6 +390,7 @@ def run_case(case: dict, model_dir: str, run_json: dict, world: int, out_dir: Pa
         measured["sub_groups"] = len(zero.fp16_groups)
         measured["sub_group_partition_numels"] = list(zero.fp16_partitioned_groups_flat_numel)
     engine.destroy()
+    release_process_state(model)  # the next case's engine starts as in a fresh process (F.linear restored)
     return measured
 
 

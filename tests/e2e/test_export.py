@@ -74,6 +74,7 @@ def train_one_step(model_dir: Path, stage: int, mode: str, run_dir: Path, init_f
     from safetensors.torch import save_file
 
     from zerotrain.adapters import apply_lora, resolve
+    from zerotrain.deepspeed_compat import release_process_state
     from zerotrain.families import example_inputs
     from zerotrain.models.catalog import resolve_model
     from zerotrain.planner.deepspeed_json import deepspeed_config
@@ -106,6 +107,7 @@ def train_one_step(model_dir: Path, stage: int, mode: str, run_dir: Path, init_f
     assert all(t.numel() > 0 for t in held.values())
     save_file(held, str(run_dir / "engine.safetensors"))
     engine.destroy()
+    release_process_state(model)  # the next case's engine starts as in a fresh process (F.linear restored)
 
 
 def worker(workdir: Path) -> int:
@@ -114,11 +116,17 @@ def worker(workdir: Path) -> int:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     models = json.loads((workdir / "models.json").read_text())
+    from deepspeed.runtime.zero import parameter_offload
+
     from zerotrain.export import export
 
+    linear = torch.nn.functional.linear
     cases = [("tiny-flux", *case) for case in FLUX_CASES] + OTHER_CASES + VARIANT_CASES
     for model, stage, mode in cases:
         train_one_step(Path(models[model]), stage, mode, workdir / case_name(model, stage, mode))
+        # released after each engine (deepspeed_compat.release_process_state): the cases after the
+        # ZeRO-3 ones train with torch's F.linear, not DeepSpeed's, and no old module on its stack
+        assert torch.nn.functional.linear is linear and not parameter_offload.FWD_MODULE_STACK, (model, stage, mode)
     from safetensors.torch import load_file, save_file
 
     first = export(workdir / case_name("tiny-flux", 0, "lora"), out=workdir / "first-export", comfyui=True)
