@@ -21,7 +21,7 @@ The cases, in the order they run (most valuable first), with their time limits i
 | 6 | calibrate-flux-dev-lora | `zerotrain calibrate` flux-dev, 2 blocks, LoRA, the star grid (gpu_suite's arguments) | 180 (300) |
 | 7 | calibrate-flux-dev-full | the same, full fine-tune | 180 (300) |
 | 8 | calibrate-qwen-image-lora | qwen-image, 2 blocks, LoRA, the star grid | 240 (300) |
-| 9 | pytest-gpu | tests/distributed/test_gpu.py (out-of-memory recovery, the CUDA load); its conftest first builds DeepSpeed's CPU ops | 420 (120) |
+| 9 | pytest-gpu | tests/distributed/test_gpu.py (out-of-memory recovery, the CUDA load); a gpu-only session builds no CPU op | 300 (120) |
 | 10-13 | calibrate-FAMILY-lora | krea-2-raw, ideogram-4, flux3-klein-base, qwen-image-2.1 at 2 blocks, LoRA, the star grid | 150 each (300) |
 
 The GPU limits are estimates, not yet measured on a node: about twice what each case should take on
@@ -146,7 +146,7 @@ def cases(setting: Setting, workdir: Path, sanitizer: bool = False) -> list[Case
         out.append(calibrate_case(model, mode, limit(gpu_limit, 300, setting), setting, workdir))
     out.append(Case("pytest-gpu", "tests/distributed/test_gpu.py (the gpu-marked tests)",
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                     str(REPO / "tests" / "distributed" / "test_gpu.py")], limit(420, 120, setting)))
+                     str(REPO / "tests" / "distributed" / "test_gpu.py")], limit(300, 120, setting)))
     out += [calibrate_case(model, "lora", limit(150, 300, setting), setting, workdir)
             for model in gpu_suite.FAMILIES_2026]
     return out

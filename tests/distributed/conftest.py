@@ -136,13 +136,16 @@ def run_train(output_dir: Path, overrides: list[str], log_dir: Path, name: str,
 
 
 @pytest.fixture(scope="session", autouse=True)
-def deepspeed_cpu_ops_built() -> None:
+def deepspeed_cpu_ops_built(request) -> None:
     """Build DeepSpeed's CPU ops once, in one process, before any test starts ranks (`zerotrain
     build-ops`, which .ci/run has run already: then this finds them built). Left to the ranks, they
     build together behind one lock file, and a rank a test kills while it builds leaves that lock
     behind, so every later process that loads the op waits on it: in a fresh CI clone, fused_adam's
     build never finished and a calibrate run waited until its timeout. An op that cannot build here
-    is left to the tests (those with offload skip, saying why)."""
+    is left to the tests (those with offload skip, saying why). A session of gpu-marked tests only
+    (benchmarks/gpu_check.py on a GPU node, minutes counted) runs on CUDA: no CPU op, no forkserver."""
+    if request.session.items and all(item.get_closest_marker("gpu") for item in request.session.items):
+        return
     subprocess.run([sys.executable, "-m", "zerotrain.cli", "build-ops"], env=process_env(), check=False,
                    capture_output=True, timeout=TIMEOUT_S)
     forked.start(process_env())
