@@ -8,9 +8,10 @@ and so every bucket, partition and gradient buffer DeepSpeed allocates, with NaN
 write makes a gradient non-finite and DeepSpeed's bf16 overflow check skips the step.
 
 This was the suspect for the "OVERFLOW! Skipping step" of ZeRO-1/2 full fine-tune steps on the
-first H200 run (issue 38), and on CPU it reads nothing unwritten (no skipped step, at ZeRO-1 and
-ZeRO-2, with overlap_comm on and off, small buckets and one large one). What CPU cannot show is a
-race between CUDA streams on the same path."""
+first H200 run (issue 38), and on CPU it reads nothing unwritten: no skipped step at ZeRO-1 and
+ZeRO-2, with overlap_comm on and off, small buckets and one large one, one rank and two, eager and
+compiled blocks, and in calibrate's own layouts. What CPU cannot show is a race between CUDA
+streams on the same path (DeepSpeed's CPU accelerator runs the stream code not at all)."""
 
 from __future__ import annotations
 
