@@ -18,6 +18,7 @@ from zerotrain.config import RunConfig, load_config
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import share_blocks
 from zerotrain.hardware import hardware_facts
+from zerotrain.models.tiny import TINY_NAMES
 from zerotrain.planner import calibration
 from zerotrain.planner.facts import ModelFacts
 
@@ -193,13 +194,15 @@ def test_the_fit_uses_only_clean_rows():
     assert fit(both, hw, facts, "flux", run.planner, True)[0]["cpu_adam_params_per_second"] == steady
 
 
-def test_calibrate_random_model_and_feed_give_finite_gradients():
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_calibrate_random_model_and_feed_give_finite_gradients(name):
     """calibrate's random model (build_model: the denoiser from its config, bf16, every block
     checkpointed) and its feed (RandomFeed: the family's example inputs, an MSE against a random
     target) give a finite loss and finite, non-zero gradients, so DeepSpeed's overflow check skips
     none of calibrate's steps. (At full width, once on CPU: flux-dev with 2 blocks at 1024 px, with
     and without checkpointing, gives a loss of 1.34, a gradient norm of 1.09 and no gradient element
-    above 0.012, no activation above 6: bf16 overflows at 3.4e38.)"""
+    above 0.012, no activation above 6: bf16 overflows at 3.4e38.) Every family's tiny model: its
+    example inputs are what calibrate feeds the model (Ideogram 4's fp32 timestep failed every layout)."""
     import math
 
     import torch
@@ -207,14 +210,16 @@ def test_calibrate_random_model_and_feed_give_finite_gradients():
     from zerotrain.calibrate import RandomFeed, build_model
     from zerotrain.models.catalog import resolve_model
 
-    run = load_config(None, ["model.name_or_path=tiny-flux", "training.mode=full"])
+    run = load_config(None, [f"model.name_or_path={name}", "training.mode=full"])
     spec = resolve_model(run.model)
     model = build_model(spec, run, True).train()
     torch.manual_seed(0)
     kwargs, loss_of = RandomFeed(families.of(spec), spec, 2, 64, 16, torch.device("cpu"))(0)
     loss = loss_of(model(**kwargs, return_dict=False)[0])
     loss.backward()
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    assert math.isfinite(loss.item()) and all(g is not None for g in grads)
+    # (none for what a text-to-image step does not reach: FLUX.3's edit-mode blocks, the text stream of
+    # Qwen-Image's last block, whose output nothing reads)
+    grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+    assert math.isfinite(loss.item()) and grads
     assert all(torch.isfinite(g).all() for g in grads)
     assert math.sqrt(sum(g.float().pow(2).sum().item() for g in grads)) > 0

@@ -275,7 +275,8 @@ class Ideogram4(BaseFamily):
         image = tensor(batch, grid_h * grid_w, int(config.get("in_channels", self.default_in_channels)))
         text = tensor(batch, text_tokens, int(config.get("llm_features_dim", 53248)))
         valid = torch.ones(batch, text_tokens, dtype=torch.bool, device=device)
-        return joint_inputs(image, text, valid, grid_h, grid_w, example_timestep(tensor, batch, device))
+        # in the model's dtype, as flow_inputs gives it (an fp32 one fails the timestep embedding's bf16 matmul)
+        return joint_inputs(image, text, valid, grid_h, grid_w, example_timestep(tensor, batch, device).to(dtype))
 
     # --- validation images -------------------------------------------------------------------------
 
