@@ -20,9 +20,10 @@ The cases, in the order they run (most valuable first), with their time limits i
 | 5 | lora-compile-buckets | LoRA through train.py with training.compile=true at ZeRO-0 over three aspect buckets (three batch shapes), 6 steps | 200 (600) |
 | 6 | calibrate-flux-dev-lora | `zerotrain calibrate` flux-dev, 2 blocks, LoRA, the star grid (gpu_suite's arguments) | 180 (300) |
 | 7 | calibrate-flux-dev-full | the same, full fine-tune | 180 (300) |
-| 8 | calibrate-qwen-image-lora | qwen-image, 2 blocks, LoRA, the star grid | 240 (300) |
-| 9 | pytest-gpu | tests/distributed/test_gpu.py (out-of-memory recovery, the CUDA load); a gpu-only session builds no CPU op | 300 (120) |
-| 10-13 | calibrate-FAMILY-lora | krea-2-raw, ideogram-4, flux3-klein-base, qwen-image-2.1 at 2 blocks, LoRA, the star grid | 150 each (300) |
+| 8 | calibrate-flux-dev-full-no-overlap | the same at ZeRO-1 and 2 with planner.overlap_comm=false, uncheckpointed: whether the first GPU run's skipped steps (non-finite gradients at ZeRO-1/2 only) go with the overlapped reduction streams (each row's skipped_steps) | 120 (300) |
+| 9 | calibrate-qwen-image-lora | qwen-image, 2 blocks, LoRA, the star grid | 240 (300) |
+| 10 | pytest-gpu | tests/distributed/test_gpu.py (out-of-memory recovery, the CUDA load); a gpu-only session builds no CPU op | 300 (120) |
+| 11-14 | calibrate-FAMILY-lora | krea-2-raw, ideogram-4, flux3-klein-base, qwen-image-2.1 at 2 blocks, LoRA, the star grid | 150 each (300) |
 
 The GPU limits are estimates, not yet measured on a node: about twice what each case should take on
 one H100 (a train.py case: imports, the planner's trace, the cache, three steps, and a full
@@ -144,6 +145,10 @@ def cases(setting: Setting, workdir: Path, sanitizer: bool = False) -> list[Case
                               f"data.datasets=[{{path: '{workdir / 'images' / 'buckets'}'}}]"]))
     for model, mode, gpu_limit in (("flux-dev", "lora", 180), ("flux-dev", "full", 180), ("qwen-image", "lora", 240)):
         out.append(calibrate_case(model, mode, limit(gpu_limit, 300, setting), setting, workdir))
+        if mode == "full":  # the skipped steps of ZeRO-1/2 (rows' skipped_steps) without overlap_comm's streams
+            out.append(calibrate_case(model, mode, limit(120, 300, setting), setting, workdir, "-no-overlap",
+                                      ("--set", "planner.overlap_comm=false", "--set", "planner.stages=[1,2]",
+                                       "--set", "training.gradient_checkpointing=false", "--grid", "full")))
     out.append(Case("pytest-gpu", "tests/distributed/test_gpu.py (the gpu-marked tests)",
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                      str(REPO / "tests" / "distributed" / "test_gpu.py")], limit(300, 120, setting)))
@@ -181,11 +186,12 @@ def train_case(name: str, what: str, workdir: Path, seconds: float, overrides: l
     return Case(name, what, command, seconds, "train", run, needs, env or {})
 
 
-def calibrate_case(model: str, mode: str, seconds: float, setting: Setting, workdir: Path) -> Case:
-    name = f"calibrate-{model}-{mode}"
+def calibrate_case(model: str, mode: str, seconds: float, setting: Setting, workdir: Path,
+                   variant: str = "", extra: tuple[str, ...] = ()) -> Case:
+    name = f"calibrate-{model}-{mode}{variant}"
     out = workdir / "calibrations" / f"{name}.json"
-    args = gpu_suite.tiny_args(TINY_MODEL[model], mode) if setting.tiny else \
-        gpu_suite.reduced_args(model, 2, mode, "star")
+    args = [*(gpu_suite.tiny_args(TINY_MODEL[model], mode) if setting.tiny else
+              gpu_suite.reduced_args(model, 2, mode, "star")), *extra]
     return Case(name, f"zerotrain calibrate {' '.join(args)}",
                 gpu_suite.calibrate_command(args, setting.calibrate_hardware, out, workdir), seconds, "calibrate", out)
 
