@@ -147,12 +147,15 @@ def initialize_ops(config: Mapping[str, Any], optimizer: Any = None) -> list[str
     optimizer offloaded to cpu or nvme, FusedAdam (fused_adam) otherwise (runtime/engine.py
     get_optimizer_configuration); anything on NVMe swaps through async_io (runtime/swap_tensor); offloaded
     buffers pinned under DS_PIN_MEMORY_BACKEND=native need pin_memory (utils/pin_memory.py)."""
+    # the optimizer types DeepSpeed builds its own Adam for
+    from deepspeed.runtime.config import ADAM_OPTIMIZER, ADAMW_OPTIMIZER
+
     zero = config.get("zero_optimization") or {}
     devices = {(zero.get(part) or {}).get("device") or "none" for part in ("offload_optimizer", "offload_param")}
     offloaded = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme") and int(zero.get("stage") or 0) > 0
     section = config.get("optimizer") or {}
     ops = []
-    if (optimizer is None and str(section.get("type", "")).lower() in ("adam", "adamw")
+    if (optimizer is None and str(section.get("type", "")).lower() in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER)
             and not (section.get("params") or {}).get("torch_adam")):
         ops.append("cpu_adam" if offloaded else "fused_adam")
     if "nvme" in devices:
