@@ -147,7 +147,7 @@ def cases(setting: Setting, workdir: Path, sanitizer: bool = False) -> list[Case
         out.append(calibrate_case(model, mode, limit(gpu_limit, 300, setting), setting, workdir))
         if mode == "full":  # the skipped steps of ZeRO-1/2 (rows' skipped_steps) without overlap_comm's streams
             out.append(calibrate_case(model, mode, limit(120, 300, setting), setting, workdir, "-no-overlap",
-                                      ("--set", "planner.overlap_comm=false", "--set", "planner.stages=[1,2]",
+                                      ("--set", "planner.overlap_comm=false", "--set", "planner.stages=[1,2]", "--set", "optimizer.name=adamw",
                                        "--set", "training.gradient_checkpointing=false", "--grid", "full")))
     out.append(Case("pytest-gpu", "tests/distributed/test_gpu.py (the gpu-marked tests)",
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",

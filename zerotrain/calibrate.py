@@ -234,6 +234,12 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
             # phase did no optimizer's work
             skipped += not engine.was_step_applied()
         rss = host_rss()
+    except torch.OutOfMemoryError:
+        raise
+    except BaseException:  # noqa: BLE001 (printed before destroy(), which over a sticky CUDA error may hang)
+        traceback.print_exc(file=sys.__stderr__)
+        sys.__stderr__.flush()
+        os._exit(1)  # this layout's own process (calibrate_layout): nothing else to keep
     finally:
         engine.destroy()
         del engine, model
