@@ -510,6 +510,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
     """Plan here; each layout measured apart (measure_apart); the document rewritten after each."""
     from zerotrain.engine import cpu_adam_unavailable
     from zerotrain.models.catalog import resolve_model
+    from zerotrain.monitor import write_json
     from zerotrain.planner.entry import plan_for_run
     from zerotrain.planner.measure import measure_model
 
@@ -532,6 +533,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
             "model": spec.name, "resolution": run.data.resolution, "mode": run.training.mode.value,
             "world_size": ranks}
     rows: list[dict] = []
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="zerotrain-calibrate-") as work, stop_on_sigterm():
         for index, layout in enumerate(layouts):
             trial = run.model_copy(update={"training": run.training.model_copy(
@@ -552,7 +554,7 @@ def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
             rows.append(row)
             # after every layout: a run cut off keeps what finished
             document = finish(head, rows, hw, facts, spec, run.planner, on_gpu, complete=index + 1 == len(layouts))
-            write_atomically(out, document)
+            write_json(out, document)
     if args.json:
         print(json.dumps(document, indent=1, default=str))
     else:
@@ -574,14 +576,6 @@ def finish(head: dict, rows: list[dict], hw, facts, spec, planner, on_gpu: bool,
     constants, defaults = fit(rows, hw, facts, families.of(spec).name, planner, on_gpu)
     return {**head, "device": device, "complete": complete, "constants": constants, "defaults": defaults,
             "measurements": rows}
-
-
-def write_atomically(out: Path, document: dict) -> None:
-    """Written beside, then renamed over: a reader never sees half a file."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(document, indent=1, default=str))
-    tmp.replace(out)
 
 
 def accelerator_type() -> str:
@@ -685,6 +679,7 @@ def worker(job_file: Path) -> int:
     from zerotrain.deepspeed_compat import init_distributed
     from zerotrain.distributed import accelerator, shutdown, standalone_rendezvous, topology, use_device
     from zerotrain.models.catalog import resolve_model
+    from zerotrain.monitor import write_json
     from zerotrain.quiet import quiet_libraries
     from zerotrain.train import allocator_settings
 
@@ -708,13 +703,13 @@ def worker(job_file: Path) -> int:
             result["host_to_device_bandwidth"] = host_to_device_bandwidth(device)
         except torch.OutOfMemoryError as err:
             # Written before leaving: the exit code makes torchrun stop any rank still waiting.
-            write_atomically(result_file, {"oom": " ".join(str(err).split())[:200]})
+            write_json(result_file, {"oom": " ".join(str(err).split())[:200]})
             os._exit(OOM_EXIT)
         except BaseException:  # noqa: BLE001 (anything, SystemExit included: printed, then the process ends)
             traceback.print_exc(file=sys.__stderr__)
             sys.__stderr__.flush()
             os._exit(1)
-        write_atomically(result_file, result)
+        write_json(result_file, result)
         shutdown(clean=True)
     return 0
 
