@@ -378,17 +378,6 @@ def test_unshared_buffers_match_the_planner_told_so(engine_bytes, planner, stage
 TRANSIENT_SLACK = 2048
 
 
-def transient_slack(name: str, predicted: int, optimizer: str) -> int:
-    """How far a transient may be from the planner's. With bf16 masters (every optimizer but adamw)
-    the init at ZeRO 1/2 peaks 6.9 KB (8.7%) above the planner's 78.5 KB here, whichever optimizer
-    (its two candidates, the flat copy beside the originals less the master and the zero gradient
-    partition, tie at one bf16 partition; what the rest is, is not known yet): up to 10% above is
-    accepted for them."""
-    if optimizer != "adamw" and name == "init":
-        return max(TRANSIENT_SLACK, predicted // 10)
-    return TRANSIENT_SLACK
-
-
 @pytest.mark.parametrize(("stage", "offload", "mode", "optimizer"), CASES, ids=[case_id(*c) for c in CASES])
 def test_buffers_and_transients_match_planner(engine_bytes, planner, stage, offload, mode, optimizer):
     """The reduction buckets, the all-gather after a ZeRO 1/2 step, ZeRO-3's gathered parameters,
@@ -405,7 +394,7 @@ def test_buffers_and_transients_match_planner(engine_bytes, planner, stage, offl
         if offload == "none" and stage < 3:  # see the module docstring for ZeRO-3 and offload
             checks["init"] = (t["init peak"] - t["init end"], memory.init_transient(layout, s, b))
         errors += [f"rank {rank} {name}: engine {value} B, planner {predicted} B"
-                   for name, (value, predicted) in checks.items() if abs(value - predicted) > transient_slack(name, predicted, optimizer)]
+                   for name, (value, predicted) in checks.items() if abs(value - predicted) > TRANSIENT_SLACK]
         if stage in (1, 2):
             # The updated partitions are gathered into the flat bf16 groups themselves: no bucket.
             assert t["allgather into flat groups"] and all(t["allgather into flat groups"]), t
