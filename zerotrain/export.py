@@ -453,8 +453,10 @@ def _write_full(
         diffusers_logging.set_verbosity(verbosity)
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     if comfyui:
-        comfy = families.of(spec).comfyui_model(weights)
-        files.append(_save_single_file(out / COMFYUI_DIR / f"{name}.safetensors", comfy, {"format": "pt"}))
+        markers = families.of(spec).comfyui_markers(spec)
+        comfy = {**families.of(spec).comfyui_model(weights), **markers}
+        files.append(_save_single_file(out / COMFYUI_DIR / f"{name}.safetensors", comfy, {"format": "pt"},
+                                       allow_empty=set(markers)))
     return files
 
 
@@ -618,10 +620,13 @@ def lora_metadata(config: Any) -> dict[str, Any]:
     }
 
 
-def _save_single_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+def _save_single_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                      allow_empty: set[str] | frozenset[str] = frozenset()) -> Path:
+    """Written under a partial name, then renamed. An empty tensor is refused (a weight lost on the way)
+    unless `allow_empty` names it (a marker ComfyUI reads by its presence: Family.comfyui_markers)."""
     from safetensors.torch import save_file
 
-    empty = [k for k, v in tensors.items() if v.numel() == 0]
+    empty = [k for k, v in tensors.items() if v.numel() == 0 and k not in allow_empty]
     if empty or any(k.startswith("module.") for k in tensors):
         first = (empty or [""])[0]
         raise ZerotrainError(f"internal: refusing to write {path}: an empty tensor or a module. prefix ({first})")

@@ -149,6 +149,9 @@ class Family(Protocol):
     text_reads_references: ClassVar[bool]
     """The text encoder reads an edit sample's reference images with its caption (Qwen-Image 2.1's Qwen3-VL):
     the cache encodes each such caption with its images (encode_prompt's images), keyed by them too."""
+    reference_text_outputs: ClassVar[tuple[str, ...]]
+    """What encode_prompt adds to text_outputs for a caption read with its images: image_pad_mask (where the
+    images' rows sat), and Qwen-Image-Edit's image_rows (the text encoder's rows of the images)."""
 
     # --- the model and its latents -----------------------------------------------------------------
 
@@ -216,6 +219,16 @@ class Family(Protocol):
         by default."""
         ...
 
+    def text_parts(self, pipeline_name: str) -> tuple[tuple[str, str], ...]:
+        """(tokenizer or processor, text encoder) component names the pipeline `pipeline_name` encodes text
+        with: text_components by default (Qwen-Image-Edit's pipelines read through their processor)."""
+        ...
+
+    def text_reference_identity(self, spec: ModelSpec) -> tuple[Any, ...]:
+        """What else, besides the references and data.background, an edit caption's text depends on where
+        text_reads_references (the image processor that reads them), for its cache key: () by default."""
+        ...
+
     def text_pipeline(self, pipeline_class: Any, components: dict[str, Any]) -> Any:
         """The family's pipeline around loaded tokenizers and text encoders (the other components None),
         whose encode_prompt is the reference: pipeline_class(**components) by default."""
@@ -232,7 +245,7 @@ class Family(Protocol):
         """Text conditioning of a batch of captions through the pipeline's own encode_prompt (one image
         per prompt, no classifier-free guidance), named as text_outputs. A family whose
         text_reads_references also takes images= (each caption's reference images, PIL at reference_size)
-        and adds image_pad_mask to its outputs."""
+        and adds reference_text_outputs to its outputs."""
         ...
 
     def vae_downsampling(self, vae: Any) -> int:
@@ -332,6 +345,11 @@ class Family(Protocol):
         max_references before (the cache's check_references, the planner's plan_references)."""
         ...
 
+    def reference_text_rows(self, spec: ModelSpec, references: list[tuple[int, int]]) -> int:
+        """The text encoder's rows for references of these (width, height), beside data.text_tokens of caption,
+        where the text keeps them (Qwen-Image-Edit): what the planner adds to the text it traces. 0 by default."""
+        ...
+
     def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
                          area: int | None = None) -> dict[str, Any]:
         """The pipeline __call__ arguments that give it these reference images (PIL, already at
@@ -392,6 +410,11 @@ class Family(Protocol):
     def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A full fine-tune's denoiser weights in the key naming ComfyUI's "Load Diffusion Model" reads
         (diffusers' own names, which ComfyUI converts, by default)."""
+        ...
+
+    def comfyui_markers(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        """Keys beside a full fine-tune's ComfyUI weights that ComfyUI's model detection reads as a variant's
+        mark (Edit-2511's empty __index_timestep_zero__): none by default."""
         ...
 
     # --- the tiny model ----------------------------------------------------------------------------

@@ -226,7 +226,7 @@ class Validator:
         vae.to(self.device).requires_grad_(False).eval()
         components: dict[str, Any] = {"vae": vae, "scheduler": self.scheduler, family.denoiser_folder: model,
                                       **family.pipeline_kwargs(self.spec, self.folder)}
-        for tokenizer, encoder in family.text_components:
+        for tokenizer, encoder in family.text_parts(family.pipeline_name(self.spec)):
             components[tokenizer] = components[encoder] = None
         pipeline = family.validation_pipeline(self.spec, self.folder, components, self.device)
         pipeline.set_progress_bar_config(disable=True)

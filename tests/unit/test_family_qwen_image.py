@@ -115,12 +115,13 @@ def test_published_config_is_the_class_defaults_and_its_vae_facts(tmp_path):
     assert FAMILY.vae_facts(dict(published_vae)) == FAMILY.published_vae(published.config)
 
 
-def test_edit_variants_plan_but_do_not_train():
+def test_edit_variants_train_and_layered_plans_only():
+    """Edit-2511's zero_cond_t trains (the Plus pipeline's); Qwen-Image-Layered's flags stay plan-only."""
     spec = spec_of("qwen-image", zero_cond_t=True)
-    assert is_plan_only(spec) and not is_plan_only(spec_of("qwen-image"))
-    with pytest.raises(ZerotrainError, match="plan-only: zerotrain plans Qwen-Image-Edit models"):
-        check_trainable(spec)
+    assert not is_plan_only(spec) and of(spec).pipeline_name(spec) == "QwenImageEditPlusPipeline"
+    check_trainable(spec)
     layered = spec_of("qwen-image", use_additional_t_cond=True)
+    assert is_plan_only(layered)
     with pytest.raises(ZerotrainError, match="plan-only: zerotrain plans image-conditioned Qwen-Image"):
         check_trainable(layered)
 

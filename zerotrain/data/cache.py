@@ -145,7 +145,8 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
                              *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []), *controls)
         # A text encoder that reads the references with the caption makes them part of the text's address (as it
         # reads them: over data.background where transparent).
-        seen = [*controls, ("background", data.background)] if family.text_reads_references and controls else []
+        seen = [*controls, ("background", data.background), *family.text_reference_identity(spec)] \
+            if family.text_reads_references and controls else []
         text_keys = tuple(text_key(text, identity, text_tokens, spec, *seen) for text in item.texts)
         empty = text_key("", identity, text_tokens, spec, *seen) if item.caption_dropout > 0 else ""
         planned.append(Planned(item, crop, buckets.index(bucket), latent_key, text_keys, empty, references))

@@ -56,6 +56,7 @@ class BaseFamily:
     joint_output: ClassVar[bool] = False
     target_last: ClassVar[bool] = False
     text_reads_references: ClassVar[bool] = False
+    reference_text_outputs: ClassVar[tuple[str, ...]] = ("image_pad_mask",)
     diffusers_lokr: ClassVar[bool] = False
     """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2)."""
 
@@ -114,6 +115,12 @@ class BaseFamily:
 
     def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: torch.dtype, skipped: dict[str, None]) -> Any:
         return pipeline_class.from_pretrained(folder, dtype=dtype, **skipped)
+
+    def text_parts(self, pipeline_name: str) -> tuple[tuple[str, str], ...]:
+        return self.text_components
+
+    def text_reference_identity(self, spec: ModelSpec) -> tuple[Any, ...]:
+        return ()
 
     def text_pipeline(self, pipeline_class: Any, components: dict[str, Any]) -> Any:
         return pipeline_class(**components)
@@ -189,6 +196,9 @@ class BaseFamily:
     def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[torch.Tensor]) -> dict[str, Any]:
         raise self._no_references(spec)
 
+    def reference_text_rows(self, spec: ModelSpec, references: list[tuple[int, int]]) -> int:
+        return 0
+
     def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
                          area: int | None = None) -> dict[str, Any]:
         raise self._no_references(spec)
@@ -232,6 +242,9 @@ class BaseFamily:
 
     def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return weights
+
+    def comfyui_markers(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
+        return {}
 
     def comfyui_adapter(self, model: torch.nn.Module, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}

@@ -134,15 +134,15 @@ def padded_text(text: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return text.gather(1, rows.unsqueeze(-1).expand(-1, -1, text.shape[2]))
 
 
-def text_processor(tokenizer: Any, image_processor: Any = None) -> Any:
-    """Qwen3-VL's processor around a loaded tokenizer (and image processor: transformers' PIL one by default),
-    without a video processor: transformers builds Qwen3-VL's video processor only with torchvision, which
-    zerotrain does not install, and the pipelines read text and images only. It saves as a Qwen3-VL processor
-    without one (the tokenizer, the image processor and the chat template)."""
+def text_processor(tokenizer: Any, image_processor: Any = None, base: type | None = None) -> Any:
+    """Qwen3-VL's processor (or `base`: Qwen2VLProcessor for Qwen2.5-VL) around a loaded tokenizer (and image
+    processor: transformers' PIL one by default), without a video processor: transformers builds the Qwen-VL video
+    processors only with torchvision, which zerotrain does not install, and the pipelines read text and images
+    only. It saves as that processor without one (the tokenizer, the image processor and the chat template)."""
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    class TextQwen3VLProcessor(Qwen3VLProcessor):
+    class TextQwen3VLProcessor(base or Qwen3VLProcessor):
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             if argument_name == "video_processor" and argument is None:
                 return None

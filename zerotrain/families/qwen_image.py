@@ -43,6 +43,7 @@ from zerotrain.families.base import (
     meta_or_random,
     trim_rows,
 )
+from zerotrain.families.qwen_image_edit import EDIT_PIPELINES, PLUS
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
@@ -77,13 +78,12 @@ QWEN_SCHEDULER = {
 }
 # AutoencoderKLQwenImage's defaults (equal to Qwen/Qwen-Image vae/config.json), when a config omits them.
 _VAE_DEFAULTS = {"z_dim": 16, "temperal_downsample": [False, True, True]}
-# Denoiser config flags of the image-conditioned variants (Qwen-Image-Edit-2511's zero_cond_t,
-# Qwen-Image-Layered's extra timestep condition and 3-D RoPE), whose conditioning the text-to-image
-# pipeline does not produce.
-_EDIT_FLAGS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
-# The edit pipelines, and how many reference images each takes: QwenImageEditPipeline one; the Plus
-# pipeline (Edit-2509, Edit-2511) a list, 1 to 3 as Qwen's model card recommends.
-EDIT_PIPELINES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3}
+# Denoiser config flags of Qwen-Image-Layered (its extra timestep condition and 3-D RoPE), whose
+# conditioning no pipeline zerotrain trains through produces. (Edit-2511's zero_cond_t is the Plus
+# pipeline's: the transformer itself modulates the reference tokens at t = 0.)
+_LAYERED_FLAGS = ("use_additional_t_cond", "use_layer3d_rope")
+# Qwen2.5-VL's tokens around an image (the edit pipelines' templates and its processor).
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # The tiny text encoder's layers and heads: two layers, so the last hidden state differs from the embeddings.
 _TINY_TEXT_LAYERS = 2
 _TINY_TEXT_HEADS = 2
@@ -132,6 +132,9 @@ class QwenImage(BaseFamily):
     default_guidance = 4.0
     classifier_free_guidance = True
     default_in_channels = 64
+    # The edit pipelines' text encoder reads the references with the caption, and keeps their rows.
+    text_reads_references = True
+    reference_text_outputs = ("image_pad_mask", "image_rows")
     # calculate_shift's defaults as QwenImagePipeline writes them.
     shift_defaults: ClassVar[dict[str, float]] = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
 
@@ -158,10 +161,7 @@ class QwenImage(BaseFamily):
         return QWEN_PATCH
 
     def plan_only(self, spec: ModelSpec) -> str | None:
-        if self.max_references(spec):
-            return ("Qwen-Image-Edit models (their text encoder reads the reference images through "
-                    "Qwen2VLProcessor, which transformers builds only with torchvision)")
-        if any(spec.config.get(flag) for flag in _EDIT_FLAGS):
+        if any(spec.config.get(flag) for flag in _LAYERED_FLAGS):
             return "image-conditioned Qwen-Image transformers (Layered)"
         return None
 
@@ -170,7 +170,7 @@ class QwenImage(BaseFamily):
         config with zero_cond_t (Edit-2511's) is the Plus pipeline's; QwenImagePipeline otherwise."""
         if spec.pipeline_class in EDIT_PIPELINES:
             return spec.pipeline_class
-        return "QwenImageEditPlusPipeline" if spec.config.get("zero_cond_t") else self.pipeline
+        return PLUS if spec.config.get("zero_cond_t") else self.pipeline
 
     # --- references: Qwen-Image-Edit -------------------------------------------------------------
 
@@ -188,8 +188,15 @@ class QwenImage(BaseFamily):
 
         if not self.max_references(spec):
             raise self._no_references(spec)
-        width, height = calculate_dimensions(area * area if area else VAE_IMAGE_SIZE, control[0] / control[1])
-        return int(width), int(height)
+        # Applied again until the size stays: at validation the pipeline sizes once more the image it is
+        # handed (this size), and its text encoder must read the image the cached caption was encoded with.
+        size = control
+        for _ in range(16):
+            width, height = calculate_dimensions(area * area if area else VAE_IMAGE_SIZE, size[0] / size[1])
+            given, size = size, (int(width), int(height))
+            if size == given:
+                break
+        return size
 
     def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[Any]) -> dict[str, Any]:
         """The edit pipelines': each reference's latents packed (_pack_latents) after the noisy tokens,
@@ -207,15 +214,69 @@ class QwenImage(BaseFamily):
                          area: int | None = None) -> dict[str, Any]:
         if not self.max_references(spec):
             raise self._no_references(spec)
-        return {"image": list(images) if self.pipeline_name(spec) == "QwenImageEditPlusPipeline" else images[0]}
+        return {"image": list(images) if self.pipeline_name(spec) == PLUS else images[0]}
 
-    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
+    def reference_text_rows(self, spec: ModelSpec, references: list[tuple[int, int]]) -> int:
+        """The text encoder's rows of the references (width, height) beside the caption's: the images' tokens
+        (qwen_image_edit.image_rows), which the cache keeps apart from data.text_tokens."""
+        from zerotrain.families.qwen_image_edit import image_rows
+
+        return sum(image_rows(self.pipeline_name(spec), w, h) for w, h in references)
+
+    def text_reference_identity(self, spec: ModelSpec) -> tuple[Any, ...]:
+        """The image processor that reads an edit caption's references (qwen_image_edit.vl_backend)."""
+        from zerotrain.families.qwen_image_edit import vl_backend
+
+        return (("vl_processor", vl_backend()),) if self.max_references(spec) else ()
+
+    # --- loading: the edit pipelines' processor ----------------------------------------------------
+
+    def text_parts(self, pipeline_name: str) -> tuple[tuple[str, str], ...]:
+        """The edit pipelines read text through their processor (their tokenizer goes unused)."""
+        return (("processor", "text_encoder"),) if pipeline_name in EDIT_PIPELINES else self.text_components
+
+    def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: Any, skipped: dict[str, None]) -> Any:
+        if pipeline_class.__name__ in EDIT_PIPELINES:
+            from zerotrain.families import qwen_image_edit
+
+            return qwen_image_edit.encoder_pipeline(pipeline_class, folder, dtype)
+        return super().encoder_pipeline(pipeline_class, folder, dtype, skipped)
+
+    def text_pipeline(self, pipeline_class: Any, components: dict[str, Any]) -> Any:
+        if pipeline_class.__name__ in EDIT_PIPELINES:
+            components = {"tokenizer": None, **components}
+        return pipeline_class(**components)
+
+    def validation_pipeline(self, spec: ModelSpec, folder: Path, components: dict[str, Any], device: Any) -> Any:
+        """The model's pipeline; an edit pipeline with no tokenizer nor processor (it renders from cached text)."""
+        if self.pipeline_name(spec) in EDIT_PIPELINES:
+            components = {"tokenizer": None, "processor": None, **components}
+        return super().validation_pipeline(spec, folder, components, device)
+
+    def comfyui_markers(self, spec: ModelSpec) -> dict[str, Any]:
+        """Edit-2511's: ComfyUI's model detection switches to its reference method (t = 0 for the reference
+        tokens, "index_timestep_zero") when the file holds __index_timestep_zero__, the empty float32 buffer its
+        QwenImageTransformer2DModel registers then."""
+        import torch
+
+        return {"__index_timestep_zero__": torch.tensor([])} if spec.config.get("zero_cond_t") else {}
+
+    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any,
+                      images: list[list[Any]] | None = None) -> dict[str, Any]:
         """prompt_embeds (B, text_tokens, d): Qwen2.5-VL's last hidden states of each templated caption
         without the template's system prefix, truncated to text_tokens as the pipeline truncates them
-        and zero-padded to text_tokens; prompt_embeds_mask (B, text_tokens) int64, 1 for a token."""
+        and zero-padded to text_tokens; prompt_embeds_mask (B, text_tokens) int64, 1 for a token. With
+        `images` (each caption's references, PIL at reference_size), an edit pipeline's encoding of each
+        caption with them (qwen_image_edit.encode_with_images): the image rows apart."""
         import torch
 
         check_tokens(text_tokens, 1, MAX_TEXT_TOKENS, "Qwen2.5-VL tokens for Qwen-Image")
+        if images is not None:
+            from zerotrain.families.qwen_image_edit import encode_with_images
+
+            encoded = [encode_with_images(pipeline, caption, pictures, text_tokens, device, self.title)
+                       for caption, pictures in zip(captions, images, strict=True)]
+            return {name: torch.cat([one[name] for one in encoded]) for name in encoded[0]}
         embeds, mask = pipeline.encode_prompt(captions, device=device, max_sequence_length=text_tokens)
         b, length, _ = embeds.shape
         if mask is None:  # encode_prompt drops an all-ones mask
@@ -258,6 +319,10 @@ class QwenImage(BaseFamily):
         if text.shape[0] != b:
             raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
         text, valid = trim_rows(text, mask)
+        if "image_pad_mask" in batch:  # an edit: the caption's rows laid back around its images' rows
+            from zerotrain.families.qwen_image21 import with_slots
+
+            text, valid, _ = with_slots(text, valid, batch["image_pad_mask"], batch["image_rows"])
         dtype = objective.model_dtype
         # QwenImagePipeline passes timestep / 1000 = sigma (the model scales it by 1000), no guidance, and
         # no mask when no caption is padded (as encode_prompt returns it), which lets SDPA use flash attention.
@@ -287,16 +352,20 @@ class QwenImage(BaseFamily):
         }
 
     def validation_kwargs(self, embeds: dict[str, Any], negative: dict[str, Any] | None, guidance_scale: float) -> dict[str, Any]:
-        """Each prompt cut to its own length, as the pipeline encodes a prompt alone; the all-ones mask
-        given along is what the pipeline's encode_prompt turns into None itself. Guidance is
-        true_cfg_scale; max_sequence_length admits every cached token (the pipeline's default is 512)."""
-        text, mask = trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
-        kwargs: dict[str, Any] = {"prompt_embeds": text, "prompt_embeds_mask": mask,
-                                  "true_cfg_scale": guidance_scale,
-                                  "max_sequence_length": int(embeds["prompt_embeds"].shape[1])}
-        if negative is not None:
-            text, mask = trim_rows(negative["prompt_embeds"], negative["prompt_embeds_mask"])
-            kwargs.update({"negative_prompt_embeds": text, "negative_prompt_embeds_mask": mask})
+        """Each prompt cut to its own length, as the pipeline encodes a prompt alone (an edit's laid back
+        around its images' rows); the all-ones mask given along is what the pipeline's encode_prompt turns
+        into None itself. Guidance is true_cfg_scale; max_sequence_length admits every cached token of a
+        text-to-image prompt (the pipeline's default is 512, and it cuts there); the edit pipelines cut
+        nothing and refuse a max_sequence_length above 1024, so an edit gives none."""
+        from zerotrain.families.qwen_image_edit import cached_rows
+
+        kwargs: dict[str, Any] = {"true_cfg_scale": guidance_scale}
+        for prefix, given in (("", embeds), ("negative_", negative)):
+            if given is not None:
+                text, mask = cached_rows(given)
+                kwargs.update({f"{prefix}prompt_embeds": text, f"{prefix}prompt_embeds_mask": mask})
+        if "image_pad_mask" not in embeds:
+            kwargs["max_sequence_length"] = int(embeds["prompt_embeds"].shape[1])
         return kwargs
 
     def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
@@ -322,17 +391,30 @@ class QwenImage(BaseFamily):
 
         from zerotrain.models import tiny_parts as tiny
 
-        pipeline_class = tiny.diffusers_class("QwenImagePipeline")
-        template = pipeline_class(None, None, None, None, None).prompt_template_encode
-        tokenizer = tiny.qwen2_tokenizer(template)
-        return pipeline_class, {
+        edit = bool(denoiser.get("zero_cond_t"))  # Edit-2511's: the Plus pipeline, its template and processor
+        pipeline_class = tiny.diffusers_class(PLUS if edit else "QwenImagePipeline")
+        template = pipeline_class(*[None] * (6 if edit else 5)).prompt_template_encode
+        tokenizer = tiny.qwen2_tokenizer(template, (*tiny.QWEN_SPECIALS, *_VISION_TOKENS) if edit else tiny.QWEN_SPECIALS)
+        config = _qwen25_vl_config(tokenizer, denoiser)
+        components = {
             "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(QWEN_SCHEDULER),
-            "text_encoder": tiny.seeded("text_encoder", Qwen2_5_VLForConditionalGeneration,
-                                        _qwen25_vl_config(tokenizer, denoiser)),
             "tokenizer": tokenizer,
             "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config,
                                        denoiser),
         }
+        if edit:
+            from transformers import Qwen2VLProcessor
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            from zerotrain.families.flux3 import text_processor
+
+            # The ids of the vision tokens in this tokenizer, where the model places an image's states.
+            for name, token in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                                   _VISION_TOKENS, strict=True):
+                setattr(config, name, tokenizer.convert_tokens_to_ids(token))
+            components["processor"] = text_processor(tokenizer, Qwen2VLImageProcessorPil(), Qwen2VLProcessor)
+        components["text_encoder"] = tiny.seeded("text_encoder", Qwen2_5_VLForConditionalGeneration, config)
+        return pipeline_class, components
 
 
 def _qwen25_vl_config(tokenizer: Any, denoiser: dict[str, Any]) -> Any:

@@ -116,13 +116,15 @@ def joint_inputs(image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor | 
             "img_mask": image_mask(text.shape[1], height, width, b, mask_device, slots)}
 
 
-def with_slots(text: torch.Tensor, valid: torch.Tensor, image_pad_mask: torch.Tensor) -> tuple[Any, Any, Any]:
+def with_slots(text: torch.Tensor, valid: torch.Tensor, image_pad_mask: torch.Tensor,
+               slot_rows: torch.Tensor | None = None) -> tuple[Any, Any, Any]:
     """A batch's caption rows (B, n, D) and mask (B, n) (trim_rows) laid back into the text encoder's sequence
     with the condition images' slots, where the cache keeps only their flags (image_pad_mask (B, T + S), True at
     the S slots): (B, n + S, D) with zero rows at the slots (the transformer puts the images' latents there and
-    reads nothing of those rows), the mask (B, n + S) valid at the slots, and the slots' flags (n + S,). The
-    template puts the images before the caption, so every caption's slots sit at the same places; a batch whose
-    samples' slots differ is an error."""
+    reads nothing of those rows), or `slot_rows` (B, S, D) there (Qwen-Image-Edit keeps the text encoder's
+    rows of the images), the mask (B, n + S) valid at the slots, and the slots' flags (n + S,). The template puts
+    the images before the caption, so every caption's slots sit at the same places; a batch whose samples' slots
+    differ is an error."""
     import torch
 
     flags = image_pad_mask > 0
@@ -133,6 +135,10 @@ def with_slots(text: torch.Tensor, valid: torch.Tensor, image_pad_mask: torch.Te
         raise ValueError("the samples of a batch must hold their condition images' slots at the same rows of the text")
     full = text.new_zeros(text.shape[0], rows, *text.shape[2:])
     full[:, ~row] = text
+    if slot_rows is not None:
+        if slot_rows.shape[:2] != (text.shape[0], count):
+            raise ValueError(f"{count} image slots in the text, but image rows {tuple(slot_rows.shape)}")
+        full[:, row] = slot_rows.to(text.dtype)
     mask = torch.ones(text.shape[0], rows, dtype=torch.bool, device=valid.device)
     mask[:, ~row.to(valid.device)] = valid.bool()
     return full, mask, row

@@ -85,7 +85,7 @@ def encoder_folder(spec: ModelSpec, folder_or_hub: str | Path, revision: str | N
         if not hasattr(pipeline_class, "download"):  # a modular pipeline: the components' folders only
             from huggingface_hub import snapshot_download
 
-            folders = ["vae", *(name for pair in family.text_components for name in pair)]
+            folders = ["vae", *(name for pair in family.text_parts(pipeline_class.__name__) for name in pair)]
             return Path(snapshot_download(str(folder_or_hub), revision=revision,
                                           allow_patterns=["*.json", *(f"{name}/*" for name in folders)]))
         return Path(pipeline_class.download(str(folder_or_hub), revision=revision,
@@ -98,8 +98,8 @@ def encoder_folder(spec: ModelSpec, folder_or_hub: str | Path, revision: str | N
 
 def encoders_identity(spec: ModelSpec, folder: Path, dtype: torch.dtype = torch.float32) -> str:
     """What identifies the VAE and text encoders a cache was built with, without loading them."""
-    components = families.of(spec).text_components
-    subfolders = ["vae", *(name for pair in components for name in pair)]
+    family = families.of(spec)
+    subfolders = ["vae", *(name for pair in family.text_parts(family.pipeline_name(spec)) for name in pair)]
     return _identity(folder, subfolders, f"{spec.family} {dtype}")
 
 
@@ -130,7 +130,7 @@ def load_encoders(
             f"model.name_or_path='{folder_or_hub}': cannot load the VAE and text encoders of a "
             f"{pipeline_class.__name__} from it ({reason})"
         ) from err
-    components = families.of(spec).text_components
+    components = families.of(spec).text_parts(pipeline_class.__name__)
     tokenizers = [getattr(pipeline, tokenizer) for tokenizer, _ in components]
     text_encoders = [getattr(pipeline, encoder) for _, encoder in components]
     for module in [pipeline.vae, *text_encoders]:
@@ -182,7 +182,7 @@ def encode_prompts(encoders: Encoders, captions: list[str], text_tokens: int,
     prompt, no classifier-free guidance), named as the family's text_outputs; text_tokens is the
     sequence length the denoiser sees. Each family's encode_prompt says what its tensors hold.
     `images`: each caption's reference images (PIL, at reference_size), for a family whose text encoder
-    reads them with the caption (text_reads_references), which then adds image_pad_mask."""
+    reads them with the caption (text_reads_references), which then adds its reference_text_outputs."""
     if not encoders.text_encoders:
         raise ZerotrainError("encode_prompts: these encoders were freed; load them again with load_encoders")
     if not captions or not all(isinstance(caption, str) for caption in captions):
@@ -198,7 +198,7 @@ def encode_prompts(encoders: Encoders, captions: list[str], text_tokens: int,
     batch = len(captions)
     shapes = {name: tuple(value.shape) for name, value in out.items()}
     if (
-        tuple(out) != (*family.text_outputs, *(() if images is None else ("image_pad_mask",)))
+        tuple(out) != (*family.text_outputs, *(() if images is None else family.reference_text_outputs))
         or any(shape[0] != batch for shape in shapes.values())
         or shapes["prompt_embeds"][:2] != (batch, text_tokens)
     ):
@@ -224,7 +224,7 @@ def _text_pipeline(encoders: Encoders) -> Any:
     components: dict[str, Any] = {"vae": None, "scheduler": None, family.denoiser_folder: None,
                                   **family.pipeline_extras, **encoders.settings}
     for (tokenizer_name, encoder_name), tokenizer, encoder in zip(
-        family.text_components, encoders.tokenizers, encoders.text_encoders, strict=True
+        family.text_parts(encoders.pipeline), encoders.tokenizers, encoders.text_encoders, strict=True
     ):
         components[tokenizer_name], components[encoder_name] = tokenizer, encoder
     return family.text_pipeline(getattr(diffusers, encoders.pipeline), components)

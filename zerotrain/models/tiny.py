@@ -11,9 +11,11 @@ random from fixed seeds, so the same name always writes the same folder.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +44,24 @@ def build_tiny_pipeline(name: str, folder: Path) -> Path:
     pipeline = pipeline_class(**components)
     folder = Path(folder)
     pipeline.save_pretrained(folder, safe_serialization=True)
+    _name_transformers_classes(folder, pipeline)
     return folder
+
+
+def _name_transformers_classes(folder: Path, pipeline: Any) -> None:
+    """model_index.json naming each component of a zerotrain subclass of a transformers class (a processor
+    built without torchvision: flux3.text_processor) by that transformers class, as the published repos do."""
+    path = folder / "model_index.json"
+    if not path.is_file():
+        return
+    index = json.loads(path.read_text(encoding="utf-8"))
+    changed = False
+    for name, value in index.items():
+        if isinstance(value, list) and str(value[0]).split(".")[0] == "zerotrain":
+            base = next(c for c in type(getattr(pipeline, name)).__mro__ if c.__module__.startswith("transformers."))
+            index[name], changed = ["transformers", base.__name__], True
+    if changed:
+        path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def ensure_tiny_pipeline(name: str, root: Path) -> Path:

@@ -523,8 +523,10 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     resolution = run.data.resolution
     family = families.of(spec)
-    inputs = family.example_inputs(spec, 1, resolution, resolution, text_tokens, "meta", torch.bfloat16)
     references = plan_references(spec, run)
+    # A text encoder that keeps the references' rows (Qwen-Image-Edit) gives the transformer those beside the caption.
+    text_rows = text_tokens + family.reference_text_rows(spec, references)
+    inputs = family.example_inputs(spec, 1, resolution, resolution, text_rows, "meta", torch.bfloat16)
     if references:  # edit training: the references' clean tokens, appended as the family's pipeline does
         factor = spec.vae_scale_factor
         inputs = family.add_references(spec, inputs, [
