@@ -20,7 +20,7 @@ from PIL import Image
 
 from zerotrain import families
 from zerotrain.config.loader import load_config
-from zerotrain.data.cache import CachedDataset
+from zerotrain.data.cache import CachedDataset, reference_images
 from zerotrain.data.prepare import make_loader, prepare
 from zerotrain.distributed import Topology
 from zerotrain.errors import ZerotrainError
@@ -277,62 +277,117 @@ def test_the_planner_refuses_references_a_model_cannot_take(capsys, tmp_path):
     assert "data.references: 2 reference images, but FluxKontextPipeline takes at most 1" in capsys.readouterr().err
 
 
-def test_qwen_image_edit_2511_forward_with_two_references_is_the_plus_pipelines(tmp_path, monkeypatch):
-    """Qwen-Image-Edit-2511 (zero_cond_t) with two references: hidden states, img_shapes (target then each
-    reference, from which the transformer gives the references t = 0), timestep and text as
-    QwenImageEditPlusPipeline passes them. Its text encoder sees the references through Qwen2VLProcessor,
-    which needs torchvision (not installed), so both sides are given the same prompt embeddings and the
-    pipeline has no processor; the references are encoded by zerotrain's cache function. The pipelines
-    encode references at 1024 x 1024 pixels of area: here 64 x 64, set alike on both sides."""
+@pytest.fixture(scope="module")
+def qwen_edits(tmp_path_factory):
+    """tiny-qwen-image-edit-2511 (QwenImageEditPlusPipeline, zero_cond_t), and the same folder as Qwen-Image-Edit
+    (QwenImageEditPipeline, one reference, no zero_cond_t)."""
     import shutil
 
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+    root = tmp_path_factory.mktemp("qwen-edit")
+    plus = build_tiny_pipeline("tiny-qwen-image-edit-2511", root / "2511")
+    edit = root / "edit"
+    shutil.copytree(plus, edit)
+    for path, change in ((edit / "model_index.json", {"_class_name": "QwenImageEditPipeline"}),
+                         (edit / "transformer" / "config.json", {"zero_cond_t": False})):
+        path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    return {"plus": plus, "edit": edit}
 
-    from zerotrain.config.sections import ModelConfig, ObjectiveConfig
 
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
-    plain = build_tiny_pipeline("tiny-qwen-image", tmp_path / "plain")
-    folder = tmp_path / "edit-2511"
-    shutil.copytree(plain, folder)
-    index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
-    config = json.loads((folder / "transformer" / "config.json").read_text())
-    (folder / "transformer" / "config.json").write_text(json.dumps({**config, "zero_cond_t": True}))
-    spec = resolve_model(ModelConfig(name_or_path=str(folder)))
-    assert spec.pipeline_class == "QwenImageEditPlusPipeline" and spec.config["zero_cond_t"]
-    sizes = [families.of(spec).reference_size(spec, (64, 64), size, None) for size in ((64, 96), (96, 64))]
-    assert sizes == [(64, 64), (64, 64)]  # 64 x 64 of area at 2:3, sides rounded to 32
+def qwen_forward(folder, pipeline_class, run, spec, batch, planned, seed, images):
+    """zerotrain's training forward from the real cache, and the transformer's arguments in the edit pipeline's
+    first (and only) step from zerotrain's noisy tokens and sigma, the pipeline encoding the caption with the
+    control images itself (its own processor where torchvision is installed, else load_processor's)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    controls = [picture(size, 7 + n) for n, size in enumerate(sizes)]
-    encoders = load_encoders(resolve_model(ModelConfig(name_or_path=str(plain))), plain)
-    references = [encode_latent_moments(encoders, torch.from_numpy(np.asarray(image, dtype=np.float32))
-                                        .permute(2, 0, 1)[None] / 127.5 - 1).mean for image in controls]
-    generator = torch.Generator().manual_seed(11)
-    text = torch.randn(1, 12, 32, generator=generator)
-    batch = {"latent_mean": torch.randn(1, 16, 8, 8, generator=generator), "latent_std": torch.zeros(1, 16, 8, 8),
-             "prompt_embeds": text, "prompt_embeds_mask": torch.ones(1, 12, dtype=torch.long),
-             "reference_0": references[0], "reference_1": references[1]}
+    from zerotrain.families.qwen_image_edit import load_processor
+
     scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-    ours = make_objective(spec, scheduler, ObjectiveConfig(), 64).prepare(batch, torch.Generator().manual_seed(2))
-    kwargs = ours.model_kwargs
-    assert kwargs["img_shapes"] == [[(1, 4, 4), (1, 4, 4), (1, 4, 4)]]
-
-    pipeline = QwenImageEditPlusPipeline.from_pretrained(folder, processor=None)
+    ours = make_objective(spec, scheduler, run.objective, 64).prepare(batch, torch.Generator().manual_seed(seed)).model_kwargs
+    width, height = planned.crop.bucket
+    tokens = (width // 16) * (height // 16)
+    pipeline = pipeline_class.from_pretrained(folder, processor=load_processor(folder))
     pipeline.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         pipeline.scheduler.config, use_dynamic_shifting=False, shift=1.0, shift_terminal=None)
     captured = {}
     hook = pipeline.transformer.register_forward_pre_hook(lambda m, a, given: captured.update(given), with_kwargs=True)
-    pipeline(image=controls, prompt_embeds=text, prompt_embeds_mask=torch.ones(1, 12, dtype=torch.long),
-             height=64, width=64, num_inference_steps=1, sigmas=[float(kwargs["timestep"][0])],
-             latents=kwargs["hidden_states"][:, :16], true_cfg_scale=1.0, output_type="latent")
-    hook.remove()
-    assert set(captured) - {"attention_kwargs", "return_dict", "guidance"} == set(kwargs)
-    torch.testing.assert_close(kwargs["hidden_states"], captured["hidden_states"], rtol=1e-4, atol=1e-5)
-    assert captured["img_shapes"] == kwargs["img_shapes"] and captured["guidance"] is None
-    torch.testing.assert_close(kwargs["timestep"], captured["timestep"], rtol=0, atol=1e-6)
-    torch.testing.assert_close(kwargs["encoder_hidden_states"], captured["encoder_hidden_states"], rtol=0, atol=0)
-    assert kwargs["encoder_hidden_states_mask"] is None and captured["encoder_hidden_states_mask"] is None
+    try:
+        pipeline(image=images, prompt=planned.item.caption, height=height, width=width, num_inference_steps=1,
+                 sigmas=[float(ours["timestep"][0])], latents=ours["hidden_states"][:, :tokens], true_cfg_scale=1.0,
+                 output_type="latent")
+    finally:
+        hook.remove()
+    assert set(captured) - {"attention_kwargs", "return_dict", "guidance"} == set(ours)
+    assert captured["img_shapes"] == ours["img_shapes"] and captured["guidance"] is None
+    torch.testing.assert_close(ours["hidden_states"][:, :tokens], captured["hidden_states"][:, :tokens], rtol=0, atol=0)
+    # The references' tokens come from the cache (bf16); the text rows too, the images' rows among them.
+    torch.testing.assert_close(ours["hidden_states"], captured["hidden_states"].to(torch.bfloat16).float(), **BF16)
+    torch.testing.assert_close(ours["timestep"], captured["timestep"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours["encoder_hidden_states"],
+                               captured["encoder_hidden_states"].to(torch.bfloat16).float(), **BF16)
+    assert ours["encoder_hidden_states_mask"] is None and captured["encoder_hidden_states_mask"] is None
+    return ours, tokens
+
+
+def test_qwen_image_edit_2511_training_forward_with_two_references_is_the_plus_pipelines(qwen_edits, tmp_path,
+                                                                                        monkeypatch):
+    """Qwen-Image-Edit-2511 with two references, from the cache: the target's then each reference's tokens,
+    img_shapes in that order (from which zero_cond_t gives the references t = 0), the timestep, and the text as
+    QwenImageEditPlusPipeline encodes the caption with the references (each read at 384 x 384 pixels of area,
+    its rows kept among the caption's). The pipeline encodes references at 1024 x 1024 pixels of area: here
+    64 x 64, set alike on both sides."""
+    from diffusers import QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    targets, controls = edit_data(tmp_path, 2, control=(64, 96))
+    run = run_for(qwen_edits["plus"], targets, controls, tmp_path)
+    spec = resolve_model(run.model)
+    assert spec.pipeline_class == "QwenImageEditPlusPipeline" and spec.config["zero_cond_t"]
+    prepared, batch = first_batch(run, spec)
+    planned = prepared.planned[prepared.samples[0]]
+    assert [crop.bucket for crop in planned.reference_crops] == [(64, 64), (64, 64)]  # 64^2 of area, rounded to 32
+    # Each reference's 384 x 384 image is 14 x 14 rows of the text encoder (28 px each, after its resize to 392).
+    assert int(batch["image_pad_mask"].sum()) == batch["image_rows"].shape[1] == 2 * 196
+    # The pipeline is handed the references as zerotrain sized them, as validation hands them (it keeps their size).
+    images = reference_images(planned, run.data.background)
+    ours, _ = qwen_forward(qwen_edits["plus"], QwenImageEditPlusPipeline, run, spec, batch, planned, 2, images)
+    assert ours["img_shapes"] == [[(1, 4, 4), (1, 4, 4), (1, 4, 4)]]
+    assert ours["encoder_hidden_states"].shape[1] == int(batch["prompt_embeds_mask"].sum()) + 2 * 196
+
+
+def test_qwen_image_edit_training_forward_with_one_reference_is_the_edit_pipelines(qwen_edits, tmp_path):
+    """Qwen-Image-Edit (QwenImageEditPipeline): its one reference at 1024 x 1024 pixels of area, which its text
+    encoder reads as it is (37 x 37 rows after the processor's resize to 1036), and no zero_cond_t."""
+    from diffusers import QwenImageEditPipeline
+
+    targets, controls = edit_data(tmp_path, 1)
+    run = run_for(qwen_edits["edit"], targets, controls, tmp_path)
+    spec = resolve_model(run.model)
+    assert spec.pipeline_class == "QwenImageEditPipeline" and families.of(spec).max_references(spec) == 1
+    prepared, batch = first_batch(run, spec)
+    planned = prepared.planned[prepared.samples[0]]
+    assert [crop.bucket for crop in planned.reference_crops] == [(1024, 1024)]
+    assert batch["image_rows"].shape[1] == 37 * 37 == families.of(spec).reference_text_rows(spec, [(1024, 1024)])
+    ours, _ = qwen_forward(qwen_edits["edit"], QwenImageEditPipeline, run, spec, batch, planned, 4,
+                           reference_images(planned, run.data.background)[0])
+    assert ours["img_shapes"] == [[(1, 4, 4), (1, 64, 64)]]
+
+
+def test_a_changed_control_reencodes_its_qwen_edit_caption_and_latents_and_nothing_else(qwen_edits, tmp_path,
+                                                                                       monkeypatch):
+    """The text encoder reads the references, so an edit caption's cache key holds them: a changed control
+    re-encodes its sample's caption and latents, and leaves the other samples' cached."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 64 * 64)
+    targets, controls = edit_data(tmp_path, 1, pairs=3)
+    run = run_for(qwen_edits["plus"], targets, controls, tmp_path)
+    spec = resolve_model(run.model)
+    first = prepare(run, spec, SINGLE).report
+    assert (first.latents_encoded, first.texts_encoded) == (3, 3)
+    picture((64, 64), 999).save(controls[0] / "pair1.jpg")
+    again = prepare(run, spec, SINGLE).report
+    assert (again.latents_encoded, again.latents_cached, again.texts_encoded, again.texts_cached) == (1, 2, 1, 2)
 
 
 def test_qwen_image_edit_models_train_with_their_references():

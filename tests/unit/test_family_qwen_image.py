@@ -414,3 +414,26 @@ def test_full_weights_keep_diffusers_names_for_comfyui(pipeline):
     assert comfy.keys() == weights.keys()
     # ComfyUI's model_detection recognizes Qwen-Image by txt_norm.weight and reads these names as they are.
     assert {"txt_norm.weight", "img_in.weight", "transformer_blocks.0.attn.to_q.weight"} <= comfy.keys()
+
+
+def test_edit_2511_full_export_carries_comfyuis_2511_mark_and_2509_none(tmp_path):
+    """ComfyUI (comfy/model_detection.py) reads a Qwen-Image file by txt_norm.weight, and switches to Edit-2511's
+    reference method (t = 0 for the reference tokens, "index_timestep_zero") only when it also holds
+    __index_timestep_zero__, the empty float32 buffer its model registers then. The rest loads with diffusers'
+    names, which are ComfyUI's."""
+    from safetensors.torch import load_file
+
+    from zerotrain.export import COMFYUI_DIR, _write_full
+
+    for zero_cond_t, name in ((True, "edit-2511"), (False, "edit-2509")):
+        spec = spec_of("tiny-qwen-image-edit-2511", zero_cond_t=zero_cond_t)
+        weights = {k: v.clone() for k, v in QwenImageTransformer2DModel.from_config(spec.config).state_dict().items()}
+        _write_full(tmp_path / name, spec, weights, True, name)
+        comfy = load_file(str(tmp_path / name / COMFYUI_DIR / f"{name}.safetensors"))
+        assert "txt_norm.weight" in comfy
+        if zero_cond_t:
+            mark = comfy.pop("__index_timestep_zero__")
+            assert mark.dtype == torch.float32 and tuple(mark.shape) == (0,)
+        assert "__index_timestep_zero__" not in comfy
+        model = QwenImageTransformer2DModel.from_config(spec.config)
+        model.load_state_dict(comfy, strict=True)

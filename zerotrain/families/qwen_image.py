@@ -404,15 +404,15 @@ class QwenImage(BaseFamily):
         }
         if edit:
             from transformers import Qwen2VLProcessor
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
             from zerotrain.families.flux3 import text_processor
+            from zerotrain.families.qwen_image_edit import published_image_processor
 
             # The ids of the vision tokens in this tokenizer, where the model places an image's states.
             for name, token in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
                                    _VISION_TOKENS, strict=True):
                 setattr(config, name, tokenizer.convert_tokens_to_ids(token))
-            components["processor"] = text_processor(tokenizer, Qwen2VLImageProcessorPil(), Qwen2VLProcessor)
+            components["processor"] = text_processor(tokenizer, published_image_processor(), Qwen2VLProcessor)
         components["text_encoder"] = tiny.seeded("text_encoder", Qwen2_5_VLForConditionalGeneration, config)
         return pipeline_class, components
 

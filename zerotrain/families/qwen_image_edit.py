@@ -33,10 +33,18 @@ if TYPE_CHECKING:
 EDIT_PIPELINES = {"QwenImageEditPipeline": 1, "QwenImageEditPlusPipeline": 3}
 PLUS = "QwenImageEditPlusPipeline"
 # Qwen2.5-VL's published image processor (Qwen/Qwen-Image-Edit processor/preprocessor_config.json): 14 px
-# patches merged 2 x 2, one text row per 28 x 28 pixels, between 56 x 56 and 28 x 28 x 1280 pixels.
+# patches merged 2 x 2, one text row per 28 x 28 pixels, between 3,136 and 12,845,056 pixels (min_pixels and
+# max_pixels there; the class defaults' 1,003,520 would shrink QwenImageEditPipeline's 1024 x 1024 reference).
 VL_FACTOR = 28
 VL_MIN_PIXELS = 56 * 56
-VL_MAX_PIXELS = 28 * 28 * 1280
+VL_MAX_PIXELS = 28 * 28 * 16384
+
+
+def published_image_processor() -> Any:
+    """Qwen2VLImageProcessorPil with the published min_pixels and max_pixels (the tiny model's)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=VL_MIN_PIXELS, max_pixels=VL_MAX_PIXELS)
 
 
 def vl_backend() -> str:

@@ -36,6 +36,7 @@ def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str,
     resolution, conditioning length, mode, quantization and LoRA settings."""
     lora = run.training.mode is Mode.lora
     references = plan_references(spec, run)
+    text_rows = families.of(spec).reference_text_rows(spec, references)
     return {
         "version": FACTS_VERSION, "class": spec.class_name, "config": spec.config,
         "vae_scale_factor": spec.vae_scale_factor,
@@ -45,6 +46,8 @@ def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str,
         "targets": targets(spec, run) if lora else None,
         # only where there are references, so that the keys of text-to-image runs stay as they were
         **({"references": references} if references else {}),
+        # the references' rows in the text (Qwen-Image-Edit), traced since these were
+        **({"reference_text_rows": text_rows} if text_rows else {}),
     }
 
 

@@ -552,7 +552,7 @@ def measure(spec: ModelSpec, run: RunConfig, text_tokens: int) -> ModelFacts:
         largest_layer_params=largest, block_params=block_params(model),
         param_numels=sorted(p.numel() for p in params), module_largest_params=module_largest_params(model),
         largest_trainable_param=max((p.numel() for p in params if p.requires_grad), default=0),
-        image_tokens=family.image_tokens(spec, resolution), text_tokens=text_tokens, input_bytes=input_bytes,
+        image_tokens=family.image_tokens(spec, resolution), text_tokens=text_rows, input_bytes=input_bytes,
         no_checkpointing=no_gc, checkpointing=gc, checkpoint_units=units, offload_input_bytes=moved,
         offload_largest_call=largest_call, reference_tokens=reference_tokens,
         trace_seconds=round(time.perf_counter() - start, 3),
