@@ -508,9 +508,7 @@ def main(args: argparse.Namespace) -> int:
 
 def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
     """Plan here; each layout measured apart (measure_apart); the document rewritten after each."""
-    from zerotrain.engine import cpu_adam_unavailable
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.monitor import write_json
     from zerotrain.planner.entry import plan_for_run
     from zerotrain.planner.measure import measure_model
 
@@ -525,8 +523,6 @@ def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
     planned = plan_for_run(run, spec, ranks, facts=facts, calibrated=False)
     hw, result = planned.hw, planned.result
     layouts = grid(result, args.grid) * args.repeat
-    # Built here, once, before the layouts' ranks would each build it at once on a fresh machine.
-    no_cpu_adam = cpu_adam_unavailable() if any(layout.offload_optimizer == "cpu" for layout in layouts) else None
     on_gpu = accelerator_type() == "cuda"
     out = args.out or (calibration.default_path(hw.gpu_name) if on_gpu else Path("calibration.json"))
     head = {"version": calibration.VERSION, "profile": hw.gpu_name, "date": date.today().isoformat(),
@@ -534,6 +530,46 @@ def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
             "world_size": ranks}
     rows: list[dict] = []
     out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        document = measure_layouts(args, run, spec, facts, result, hw, layouts, head, rows, ranks, on_gpu, out)
+    except (KeyboardInterrupt, SystemExit) as stopped:  # Ctrl-C, or SIGTERM (stop_on_sigterm): the layout's
+        # processes are stopped on the way out
+        kept = f"the {len(rows)} layouts measured are in {partial_path(out)}" if rows else "no layout was measured"
+        print(f"calibrate stopped: {kept}; {out} is unchanged", file=sys.stderr)
+        return 130 if isinstance(stopped, KeyboardInterrupt) else int(stopped.code or 1)
+    if args.json:
+        print(json.dumps(document, indent=1, default=str))
+    else:
+        report(document, out)
+    return 0
+
+
+def partial_path(out: Path) -> Path:
+    """Where a calibration in progress is written: beside `out`, so that a run cut off never replaces a
+    complete calibration that plans read (the default path of the GPU profile)."""
+    return out.with_name(f"{out.stem}.partial{out.suffix}")
+
+
+def write_progress(out: Path, document: dict) -> None:
+    """The document of the layouts measured so far: to partial_path(out) while some remain; to `out`, the
+    partial file removed, once complete."""
+    from zerotrain.monitor import write_json
+
+    if document["complete"]:
+        write_json(out, document)
+        partial_path(out).unlink(missing_ok=True)
+    else:
+        write_json(partial_path(out), document)
+
+
+def measure_layouts(args, run, spec, facts, result, hw, layouts, head, rows, ranks, on_gpu, out) -> dict:
+    """Each layout measured in processes of its own, its row appended to `rows`, the document written after
+    every layout (write_progress); returns the complete document."""
+    from zerotrain.engine import cpu_adam_unavailable
+
+    # Built here, once, before the layouts' ranks would each build it at once on a fresh machine.
+    no_cpu_adam = cpu_adam_unavailable() if any(layout.offload_optimizer == "cpu" for layout in layouts) else None
+    document: dict = {}
     with tempfile.TemporaryDirectory(prefix="zerotrain-calibrate-") as work, stop_on_sigterm():
         for index, layout in enumerate(layouts):
             trial = run.model_copy(update={"training": run.training.model_copy(
@@ -554,12 +590,8 @@ def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
             rows.append(row)
             # after every layout: a run cut off keeps what finished
             document = finish(head, rows, hw, facts, spec, run.planner, on_gpu, complete=index + 1 == len(layouts))
-            write_json(out, document)
-    if args.json:
-        print(json.dumps(document, indent=1, default=str))
-    else:
-        report(document, out)
-    return 0
+            write_progress(out, document)
+    return document
 
 
 def finish(head: dict, rows: list[dict], hw, facts, spec, planner, on_gpu: bool, complete: bool) -> dict:

@@ -52,6 +52,28 @@ def test_the_default_calibration_is_the_planned_gpu_profiles(tmp_path, monkeypat
         assert (note is not None) == (expected == 3e9)
 
 
+def test_a_calibration_cut_off_never_replaces_the_complete_one_plans_read(tmp_path, monkeypatch):
+    """calibrate writes the layouts measured so far beside the calibration (.partial.json) and only the
+    complete document in its place: a run stopped halfway leaves the GPU profile's calibration as it was.
+    A plan given the partial file says that it is one."""
+    from zerotrain.calibrate import partial_path, write_progress
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = write(calibration.default_path("H100-80GB"), {"cpu_adam_params_per_second": 3e9})
+    good = out.read_text()
+    document = {**json.loads(good), "constants": {"cpu_adam_params_per_second": 1e9}, "complete": False,
+                "measurements": [{"config": "ZeRO-0"}]}
+    write_progress(out, document)
+    assert out.read_text() == good and json.loads(partial_path(out).read_text()) == document
+    run = load_config(None, ["hardware.gpus=1xH100-80GB"])
+    assert calibration.apply(run, hardware_facts(run.hardware), "flux")[0].planner.cpu_adam_params_per_second == 3e9
+    given = load_config(None, ["hardware.gpus=1xH100-80GB", f"planner.calibration={partial_path(out)}"])
+    _, _, note, _ = calibration.apply(given, hardware_facts(given.hardware), "flux")
+    assert "a run cut off after 1 layouts" in note
+    write_progress(out, {**document, "complete": True})
+    assert json.loads(out.read_text())["complete"] and not partial_path(out).exists()
+
+
 def test_a_broken_calibration_is_one_line_naming_the_field(tmp_path):
     path = tmp_path / "cal.json"
     path.write_text("{not json")

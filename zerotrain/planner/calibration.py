@@ -68,7 +68,9 @@ def apply(run: RunConfig, hw: HardwareFacts, family: str) -> tuple[RunConfig, Ha
         update["host_to_device_bandwidth"] = constants["host_to_device_bandwidth"]
     used = ", ".join(sorted(update)) or "none of its constants (the config sets them all)"
     margin_from = data["device"] if "activation_margin" in update else None
-    return run, hw, f"Calibrated on {data['device']}, {data['date']} ({path}): {used}", margin_from
+    cut = "" if data.get("complete", True) else \
+        f", a run cut off after {len(data.get('measurements', []))} layouts (its .partial file)"
+    return run, hw, f"Calibrated on {data['device']}, {data['date']} ({path}{cut}): {used}", margin_from
 
 
 def fit_fetch_latency(rows: list[dict[str, Any]], facts: ModelFacts, persistence_threshold: int) -> float | None:
