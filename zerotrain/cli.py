@@ -123,7 +123,7 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     from zerotrain.models.catalog import resolve_model
     from zerotrain.planner.deepspeed_json import validate, write_config
     from zerotrain.planner.entry import plan_for_run
-    from zerotrain.planner.report import base_choices, print_plan, suggestions
+    from zerotrain.planner.report import base_choices, model_document, print_plan, suggestions
 
     start = time.perf_counter()
     run = config_from_args(args)
@@ -154,6 +154,7 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
     elapsed = time.perf_counter() - start
     if args.json:
         print(json.dumps({"plan": result.to_json(), "deepspeed_config": config,
+                          "model": model_document(spec, facts, planned.calibration),
                           "facts_cached": facts.cached, "seconds": round(elapsed, 2)}, indent=2, default=str))
     else:
         print_plan(result, facts, show_all=args.all, seconds=elapsed)

@@ -46,6 +46,8 @@ class RunPlan:
     layout: Layout | None
     notes: list[str] = dataclasses.field(default_factory=list)
     """Lines for the person starting the run (warnings), printed by the caller."""
+    calibration: str | None = None
+    """The plan's line about the calibration it used (calibration.apply); None: none."""
     adjusted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The moves of earlier out-of-memory recoveries that this run keeps (plan.json's "adjusted")."""
     recoverable: tuple[bool, bool] = (False, False)
@@ -83,9 +85,10 @@ def plan_for_run(run: RunConfig, spec: ModelSpec, world_size: int | None = None,
     if given is None:
         config = deepspeed_config(result.chosen.layout, run, hw.world_size) if result.chosen else None
         layout = result.chosen.layout if result.chosen else None
-        return RunPlan(run, spec, hw, facts, result, config, layout, notes)
+        return RunPlan(run, spec, hw, facts, result, config, layout, notes, calibrated or None)
     config, used = evaluate_given(given, run, facts, hw, result)
-    return RunPlan(run, spec, hw, facts, result, config, used.layout, notes + given_notes(given[1], used, result))
+    return RunPlan(run, spec, hw, facts, result, config, used.layout, notes + given_notes(given[1], used, result),
+                   calibrated or None)
 
 
 def apply_header(run: RunConfig, given: dict[str, Any], source: str) -> tuple[RunConfig, list[str]]:

@@ -92,6 +92,9 @@ class ModelFacts:
     stage3_param_persistence_threshold, which keeps it gathered (fetched_modules)."""
     trace_seconds: float = 0.0
     cached: bool = field(default=False, compare=False)
+    source: str = field(default="traced", compare=False)
+    """Where these facts came from for this plan: "traced" (on the meta device now), "cached" (the
+    user's facts cache) or "shipped" (with zerotrain)."""
 
     @property
     def model_flops_per_sample(self) -> float:
@@ -151,6 +154,7 @@ class ModelFacts:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("cached")
+        data.pop("source")
         if not data["reference_tokens"]:  # text-to-image facts keep the form they were shipped in
             data.pop("reference_tokens")
         return data

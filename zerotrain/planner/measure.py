@@ -97,10 +97,10 @@ def measure_model(spec: ModelSpec, run: RunConfig, cache: bool = True) -> ModelF
         with contextlib.suppress(ValueError, TypeError, KeyError):
             facts = ModelFacts.from_json(json.loads(cache_file.read_text()))
             # The key is the architecture, so the same facts serve a catalog name and a folder.
-            return dataclasses.replace(facts, model=spec.name, cached=True)
+            return dataclasses.replace(facts, model=spec.name, cached=True, source="cached")
     shipped = shipped_facts(spec, shipped_key(spec, run, text_tokens)) if cache else None
     if shipped is not None:
-        return dataclasses.replace(shipped, cached=True)
+        return dataclasses.replace(shipped, cached=True, source="shipped")
     from zerotrain.planner.trace import measure
 
     facts = measure(spec, run, text_tokens)

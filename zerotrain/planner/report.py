@@ -28,6 +28,18 @@ from zerotrain.protocols import ModelSpec
 TOP_TERMS = 3
 
 
+def model_document(spec: ModelSpec, facts: ModelFacts, calibration: str | None) -> dict:
+    """What a plan planned for (`zerotrain plan --json`'s "model"): the denoiser's exact parameter counts, its
+    name and family, the tokens of one sample, where the facts came from, and the calibration used."""
+    return {
+        "name": spec.name, "family": spec.family, "class": spec.class_name,
+        "total_params": facts.total_params, "trainable_params": facts.trainable_params,
+        "frozen_params": facts.frozen_params,
+        "image_tokens": facts.image_tokens, "text_tokens": facts.text_tokens, "reference_tokens": facts.reference_tokens,
+        "facts_source": facts.source, "calibration": calibration,
+    }
+
+
 def best_per_layout(candidates: list[Candidate]) -> list[Candidate]:
     """One row per (stage, offload, checkpointed blocks, optimizer): its fastest fitting micro-batch, or its
     smallest one when none fits."""
