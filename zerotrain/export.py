@@ -525,8 +525,11 @@ def comfyui_dora(spec: ModelSpec, layers: dict[str, torch.Tensor], config: Any) 
     """A DoRA in the names ComfyUI's LoRA loader reads (Family.comfyui_adapter_name, kohya's lora_down /
     lora_up / alpha) with `dora_scale` (out, 1). peft's DoRA is m (W0 + s B A) / ||W0 + s B A|| per output
     row; ComfyUI's weight_decompose (comfy/weight_adapter/base.py) divides by the base weight's row
-    norm ||W0|| instead. So the magnitude is written as m ||W0|| / ||W0 + s B A||, computed from the
-    base weights in the model's folder: ComfyUI then applies peft's weights."""
+    norm ||W0|| (plus float32's eps) instead. So the magnitude is written as m (||W0|| + eps) / ||W0 + s B A||,
+    computed as ComfyUI merges, in float32 from the base weights in the model's folder and the factors as
+    written (not the training copy they were rounded from), and stored in float32: ComfyUI's merge then
+    equals peft's of the exported factors to float32 rounding (a bf16 dora_scale alone moves it by up to
+    2^-8)."""
     from safetensors import safe_open
 
     from zerotrain.loading import weight_files
@@ -543,12 +546,14 @@ def comfyui_dora(spec: ModelSpec, layers: dict[str, torch.Tensor], config: Any) 
             raise ZerotrainError(f"the ComfyUI export of a DoRA needs {name}, which {spec.pretrained} does not hold")
         with safe_open(str(files[name]), framework="pt") as handle:
             base = handle.get_tensor(name).float()
-        adapted = base + scale * (up.float() @ down.float())
-        magnitude = layers[f"{module}.lora_magnitude_vector"].float()
         target = family.comfyui_adapter_name(module)
-        out.update(kohya_lora(target, down, up, config.lora_alpha))
-        ratio = base.norm(dim=1) / adapted.norm(dim=1).clamp_min(1e-12)
-        out[f"{target}.dora_scale"] = (magnitude * ratio).reshape(-1, 1).to(up.dtype).contiguous()
+        written = kohya_lora(target, down, up, config.lora_alpha)
+        out.update(written)
+        delta = written[f"{target}.lora_up.weight"].float() @ written[f"{target}.lora_down.weight"].float()
+        adapted = base + scale * delta
+        magnitude = layers[f"{module}.lora_magnitude_vector"].float()
+        ratio = (base.norm(dim=1) + torch.finfo(torch.float32).eps) / adapted.norm(dim=1).clamp_min(1e-12)
+        out[f"{target}.dora_scale"] = (magnitude * ratio).reshape(-1, 1).contiguous()
     return out
 
 

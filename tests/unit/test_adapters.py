@@ -205,3 +205,63 @@ def test_init_from_reads_the_comfyui_export_of_other_families(name, tmp_path):
     for module, (down, up) in found.layers.items():
         expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * 3.0
         torch.testing.assert_close(up @ down * (found.alpha / found.rank), expected, rtol=1e-4, atol=1e-5)
+
+
+def comfyui_dora_merge(w0: torch.Tensor, down: torch.Tensor, up: torch.Tensor, alpha: torch.Tensor,
+                       dora_scale: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's merge of one DoRA layer (comfy/lora.py's LoRA patch through weight_adapter/base.py
+    weight_decompose), in its float32 intermediate dtype: lora_diff = up @ down times alpha / rank, added to
+    the base weight, then scaled per output row by dora_scale / (||W0|| + eps), the norm of the base weight."""
+    weight = w0.float()
+    lora_diff = up.float() @ down.float()
+    lora_diff *= alpha.float() / down.shape[0]
+    weight_calc = weight + lora_diff.type(weight.dtype)
+    weight_norm = weight.reshape(weight.shape[0], -1).norm(dim=1, keepdim=True) + torch.finfo(weight.dtype).eps
+    return weight_calc * (dora_scale.float() / weight_norm).type(weight.dtype)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+def test_comfyuis_merge_of_a_dora_export_is_the_trained_doras_merge(name, tmp_path):
+    """The --comfyui DoRA (lora_down/up, alpha, dora_scale) merged as ComfyUI merges it equals peft's DoRA of
+    the exported weights, m (W0 + s B A) / ||W0 + s B A|| per output row, and peft's own merge of the trained
+    layer, to float32 rounding (far below the 2^-8 that a bf16 dora_scale alone moves it)."""
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import load_file
+
+    from zerotrain import families
+    from zerotrain.export import _write_lora
+    from zerotrain.models.meta import build_meta_model
+
+    folder = build_tiny_pipeline(name, tmp_path / name)
+    run = load_config(None, [f"model.name_or_path={folder}", "training.mode=lora", "training.lora.use_dora=true",
+                             "training.lora.rank=4", "training.lora.alpha=8"])
+    spec = resolve_model(run.model)
+    model = spec.denoiser_class().from_pretrained(folder, subfolder=spec.subfolder)  # W0 as the folder holds it
+    apply_lora(model, spec, run)
+    torch.manual_seed(0)
+    weights = {}
+    for param_name, param in model.named_parameters():
+        if param.requires_grad:  # trained: B away from zero, the magnitudes away from ||W0||
+            param.data.add_(torch.randn_like(param) * (0.2 if "lora_B" in param_name else 0.05))
+            weights[param_name] = param.detach().to(torch.bfloat16)  # what the bf16 checkpoint holds
+            param.data.copy_(weights[param_name].float())
+    meta = build_meta_model(spec)
+    apply_lora(meta, spec, run)
+    _write_lora(tmp_path / "out", spec, meta, weights, comfyui=True, name="d")
+    comfy = load_file(str(tmp_path / "out" / "comfyui" / "d.safetensors"))
+    family = families.of(spec)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    assert layers
+    for module, layer in layers.items():
+        target = family.comfyui_adapter_name(module.removeprefix("base_model.model."))
+        w0 = layer.base_layer.weight.detach().float()
+        down, up = layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float()
+        magnitude = layer.lora_magnitude_vector["default"].weight.float()
+        adapted = w0 + layer.scaling["default"] * (up @ down)
+        peft = magnitude[:, None] * adapted / adapted.norm(dim=1, keepdim=True)
+        assert comfy[f"{target}.dora_scale"].dtype == torch.float32
+        merged = comfyui_dora_merge(w0, comfy[f"{target}.lora_down.weight"], comfy[f"{target}.lora_up.weight"],
+                                    comfy[f"{target}.alpha"], comfy[f"{target}.dora_scale"])
+        torch.testing.assert_close(merged, peft, rtol=1e-5, atol=1e-6, msg=lambda m, module=module: f"{module}: {m}")
+        layer.merge()  # peft's own merge of the trained layer
+        torch.testing.assert_close(layer.base_layer.weight, merged, rtol=1e-5, atol=1e-6, msg=lambda m, module=module: f"{module}: {m}")
