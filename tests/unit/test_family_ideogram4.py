@@ -297,10 +297,36 @@ def test_comfyui_lora_is_the_fused_community_layout_that_diffusers_loads_as_the_
     Ideogram4Pipeline.from_pretrained(folder).load_lora_weights(dict(comfy))
 
 
-def test_modules_outside_the_blocks_and_the_full_model_have_no_comfyui_layout(folder):
+def test_modules_outside_the_blocks_have_no_comfyui_lora_layout(folder):
     model = Ideogram4Transformer2DModel.from_pretrained(folder, subfolder="transformer")
     model.add_adapter(LoraConfig(r=2, target_modules=["input_proj", "to_q"]))
     with pytest.raises(ZerotrainError, match="input_proj has no name in the community LoRA layout"):
         comfyui_lora_state_dict(spec_of(folder), model, get_peft_model_state_dict(model), 2.0)
-    with pytest.raises(ZerotrainError, match="no public single-file layout"):
-        FAMILY.comfyui_model(dict(model.state_dict()))
+
+
+def test_the_full_comfyui_export_is_the_original_layout_and_reads_back_exactly(folder, tmp_path):
+    """ComfyUI's Ideogram 4 layout (its model detection, the original checkpoint's names): per block
+    attention.qkv (q, k, v rows), attention.o, norm_q / norm_k, the sandwich norms, feed_forward w1-w3 and
+    adaln_modulation; the rest as diffusers names it. Written by the export, read back by the inverse
+    conversion, every tensor is diffusers' own, and the transformer loads it strictly."""
+    from safetensors.torch import load_file
+
+    from zerotrain.export import COMFYUI_DIR, _write_full
+    from zerotrain.families.ideogram4 import comfyui_model_to_diffusers
+
+    model = Ideogram4Transformer2DModel.from_pretrained(folder, subfolder="transformer")
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _write_full(tmp_path / "out", spec_of(folder), weights, True, "full")
+    comfy = load_file(str(tmp_path / "out" / COMFYUI_DIR / "full.safetensors"))
+    layers = int(model.config.num_layers)
+    per_block = {"attention.qkv.weight", "attention.o.weight", "attention.norm_q.weight", "attention.norm_k.weight",
+                 "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
+                 "attention_norm1.weight", "attention_norm2.weight", "ffn_norm1.weight", "ffn_norm2.weight",
+                 "adaln_modulation.weight", "adaln_modulation.bias"}
+    assert {k for k in comfy if k.startswith("layers.")} == {f"layers.{i}.{name}" for i in range(layers)
+                                                              for name in per_block}
+    q, k, v = (weights[f"layers.0.attention.{n}.weight"] for n in ("to_q", "to_k", "to_v"))
+    assert torch.equal(comfy["layers.0.attention.qkv.weight"], torch.cat([q, k, v]))
+    back = comfyui_model_to_diffusers(comfy)
+    assert back.keys() == weights.keys() and all(torch.equal(back[key], weights[key]) for key in weights)
+    Ideogram4Transformer2DModel.from_config(model.config).load_state_dict(back, strict=True)

@@ -79,6 +79,23 @@ _COMMUNITY = {"attention.to_out.0": "attention.o", "feed_forward.w1": "feed_forw
               "feed_forward.w2": "feed_forward.w2", "feed_forward.w3": "feed_forward.w3",
               "adaln_modulation": "adaln_modulation"}
 _QKV = ("attention.to_q", "attention.to_k", "attention.to_v")
+# The full model's attention weights that ComfyUI's layout fuses (to_q takes to_k and to_v along) or renames.
+_FULL_RENAMES = ("to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight")
+
+
+def comfyui_model_to_diffusers(weights: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of Ideogram4.comfyui_model: attention.qkv split in three, attention.o named to_out.0."""
+    out: dict[str, Any] = {}
+    for key, tensor in weights.items():
+        if key.endswith(".attention.qkv.weight"):
+            block = key[: -len(".qkv.weight")]
+            for name, part in zip(("to_q", "to_k", "to_v"), tensor.chunk(3, dim=0), strict=True):
+                out[f"{block}.{name}.weight"] = part
+        elif key.endswith(".attention.o.weight"):
+            out[key.replace(".attention.o.weight", ".attention.to_out.0.weight")] = tensor
+        else:
+            out[key] = tensor
+    return out
 
 
 def fold(latents: torch.Tensor) -> torch.Tensor:
@@ -343,8 +360,24 @@ class Ideogram4(BaseFamily):
         return out
 
     def comfyui_model(self, weights: dict[str, Any]) -> dict[str, Any]:
-        raise ZerotrainError(f"{self.title} has no public single-file layout (diffusers has no converter for it); "
-                             "the full model exports in diffusers' layout: export without --comfyui")
+        """The original single-file layout ComfyUI detects (its Ideogram4 model): diffusers' names, each block's
+        attention.to_q, to_k and to_v fused into attention.qkv (rows q, k, v) and to_out.0 named attention.o
+        (comfyui_model_to_diffusers reads it back)."""
+        import torch
+
+        out: dict[str, Any] = {}
+        for key, tensor in weights.items():
+            block, sep, rest = key.partition(".attention.")
+            if not sep or rest not in _FULL_RENAMES:
+                out[key] = tensor
+            elif rest == "to_q.weight":
+                parts = [weights.get(f"{block}.attention.{name}.weight") for name in ("to_q", "to_k", "to_v")]
+                if any(part is None for part in parts):
+                    raise ZerotrainError(f"{self.title} weights lack {block}'s to_k or to_v, needed for attention.qkv")
+                out[f"{block}.attention.qkv.weight"] = torch.cat(parts, dim=0)
+            elif rest == "to_out.0.weight":
+                out[f"{block}.attention.o.weight"] = tensor
+        return out
 
     # --- the tiny model ----------------------------------------------------------------------------
 
