@@ -22,8 +22,9 @@ The cases, in the order they run (most valuable first), with their time limits i
 | 7 | calibrate-flux-dev-full | the same, full fine-tune | 180 (300) |
 | 8 | calibrate-flux-dev-full-no-overlap | the same at ZeRO-1 and 2 with planner.overlap_comm=false, uncheckpointed: whether the first GPU run's skipped steps (non-finite gradients at ZeRO-1/2 only) go with the overlapped reduction streams (each row's skipped_steps) | 120 (300) |
 | 9 | calibrate-qwen-image-lora | qwen-image, 2 blocks, LoRA, the star grid | 240 (300) |
-| 10 | pytest-gpu | tests/distributed/test_gpu.py (out-of-memory recovery, the CUDA load); a gpu-only session builds no CPU op | 300 (120) |
-| 11-14 | calibrate-FAMILY-lora | krea-2-raw, ideogram-4, flux3-klein-base, qwen-image-2.1 at 2 blocks, LoRA, the star grid | 150 each (300) |
+| 10 | calibrate-qwen-image-edit-2511-lora-1ref | Qwen-Image-Edit-2511, 2 blocks, LoRA at 1024 px with one reference, the plan's layout (issue 39: its peak against the plan) | 150 (300) |
+| 11 | pytest-gpu | tests/distributed/test_gpu.py (out-of-memory recovery, the CUDA load); a gpu-only session builds no CPU op | 300 (120) |
+| 12-15 | calibrate-FAMILY-lora | krea-2-raw, ideogram-4, flux3-klein-base, qwen-image-2.1 at 2 blocks, LoRA, the star grid | 150 each (300) |
 
 The GPU limits are estimates, not yet measured on a node: about twice what each case should take on
 one H100 (a train.py case: imports, the planner's trace, the cache, three steps, and a full
@@ -92,7 +93,11 @@ RUN_FILES = ("plan.json", "deepspeed.json", "metrics.jsonl", "memory.json")
 PACKAGES = ("torch", "deepspeed", "diffusers", "transformers", "peft", "pydantic")
 # The calibrated models, as the tiny catalog model of the same family for --tiny.
 TINY_MODEL = {"flux-dev": "tiny-flux", "qwen-image": "tiny-qwen-image", "krea-2-raw": "tiny-krea2",
-              "ideogram-4": "tiny-ideogram4", "flux3-klein-base": "tiny-flux3", "qwen-image-2.1": "tiny-qwen-image21"}
+              "ideogram-4": "tiny-ideogram4", "flux3-klein-base": "tiny-flux3", "qwen-image-2.1": "tiny-qwen-image21",
+              "qwen-image-edit-2511": "tiny-qwen-image-edit-2511"}
+# Issue 39's GPU step: Qwen-Image-Edit-2511, 2 blocks at full width, LoRA at 1024 px with one reference (the
+# planner's 1024^2 reference and its 196 text rows), the plan's own layout: its peak against the plan.
+EDIT_STEP = ("--set", "data.references=1", "--grid", "chosen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +154,8 @@ def cases(setting: Setting, workdir: Path, sanitizer: bool = False) -> list[Case
             out.append(calibrate_case(model, mode, limit(120, 300, setting), setting, workdir, "-no-overlap",
                                       ("--set", "planner.overlap_comm=false", "--set", "planner.stages=[1,2]", "--set", "optimizer.name=adamw",
                                        "--set", "training.gradient_checkpointing=false", "--grid", "full")))
+    out.append(calibrate_case("qwen-image-edit-2511", "lora", limit(150, 300, setting), setting, workdir, "-1ref",
+                              (*EDIT_STEP, *(("--set", "data.control_resolution=64") if setting.tiny else ()))))
     out.append(Case("pytest-gpu", "tests/distributed/test_gpu.py (the gpu-marked tests)",
                     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                      str(REPO / "tests" / "distributed" / "test_gpu.py")], limit(300, 120, setting)))

@@ -159,17 +159,27 @@ class PhasePeaks:
 
 
 class RandomFeed:
-    """Calibration's micro-batches: the family's example inputs, and an MSE against a random target
-    (the step's cost, not what it learns)."""
+    """Calibration's micro-batches: the family's example inputs, with random clean latents of the
+    references the planner plans for (data.references: `references`, their (width, height), appended as
+    the family's pipeline appends them, their text rows too where the text keeps them), and an MSE
+    against a random target (the step's cost, not what it learns)."""
 
-    def __init__(self, family: Any, spec: Any, micro: int, side: int, tokens: int, device: torch.device):
+    def __init__(self, family: Any, spec: Any, micro: int, side: int, tokens: int, device: torch.device,
+                 references: list[tuple[int, int]] | None = None):
         self.family, self.spec, self.micro, self.side, self.tokens, self.device = family, spec, micro, side, tokens, device
+        self.references = references or []
 
     def __call__(self, index: int) -> Any:
         import torch
 
-        inputs = self.family.example_inputs(self.spec, self.micro, self.side, self.side, self.tokens, self.device,
+        rows = self.tokens + (self.family.reference_text_rows(self.spec, self.references) if self.references else 0)
+        inputs = self.family.example_inputs(self.spec, self.micro, self.side, self.side, rows, self.device,
                                             torch.bfloat16)
+        if self.references:
+            factor = self.spec.vae_scale_factor
+            inputs = self.family.add_references(self.spec, inputs, [
+                torch.randn(self.micro, self.spec.latent_channels, h // factor, w // factor, device=self.device,
+                            dtype=torch.bfloat16) for w, h in self.references])
         return inputs, self.loss
 
     def loss(self, output: torch.Tensor) -> torch.Tensor:
@@ -207,6 +217,7 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     from zerotrain.distributed import all_ok
     from zerotrain.engine import build_engine
     from zerotrain.planner.deepspeed_json import deepspeed_config
+    from zerotrain.planner.references import plan_references
 
     family = families.of(spec)
     config = deepspeed_config(layout, run, topo.world_size)
@@ -221,7 +232,7 @@ def run_layout(layout: Layout, spec, run: RunConfig, topo: Topology, device: tor
     side, tokens = run.data.resolution, run.data.text_tokens or family.default_text_tokens
     generator_seed = run.training.seed + topo.rank
     laps = PhaseLaps(peaks)
-    feed = RandomFeed(family, spec, layout.micro_batch, side, tokens, device)
+    feed = RandomFeed(family, spec, layout.micro_batch, side, tokens, device, plan_references(spec, run))
     skipped = 0
     try:
         for step in range(steps + 1):

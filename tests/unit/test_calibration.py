@@ -245,3 +245,29 @@ def test_calibrate_random_model_and_feed_give_finite_gradients(name):
     assert math.isfinite(loss.item()) and grads
     assert all(torch.isfinite(g).all() for g in grads)
     assert math.sqrt(sum(g.float().pow(2).sum().item() for g in grads)) > 0
+
+
+def test_calibrate_feeds_the_references_the_planner_plans_for(tmp_path):
+    """With data.references, calibrate's feed appends the references' tokens (and Qwen-Image-Edit's text rows
+    of them) as the planner's trace does, so a layout's measured peak is the planned run's: the same token
+    counts as the facts, and the model runs on them."""
+    import torch
+
+    from zerotrain.calibrate import RandomFeed, build_model
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.measure import measure_model
+    from zerotrain.planner.references import plan_references
+
+    run = load_config(None, ["model.name_or_path=tiny-qwen-image-edit-2511", "training.mode=lora", "data.resolution=64",
+                             "data.references=1", "data.control_resolution=64", "data.text_tokens=16",
+                             f"planner.cache_dir={tmp_path}"])
+    spec = resolve_model(run.model)
+    facts = measure_model(spec, run)
+    assert facts.reference_tokens == 16 and facts.text_tokens == 16 + 196  # one 64 px reference read at 384^2
+    feed = RandomFeed(families.of(spec), spec, 1, 64, 16, torch.device("cpu"), plan_references(spec, run))
+    kwargs, loss_of = feed(0)
+    assert kwargs["hidden_states"].shape[1] == facts.image_tokens + facts.reference_tokens
+    assert kwargs["encoder_hidden_states"].shape[1] == facts.text_tokens
+    assert kwargs["img_shapes"] == [[(1, 4, 4), (1, 4, 4)]]
+    model = build_model(spec, run, False)
+    assert torch.isfinite(loss_of(model(**kwargs, return_dict=False)[0]))
