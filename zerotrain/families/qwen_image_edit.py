@@ -13,8 +13,10 @@ up to three): the text side of the Qwen-Image family's edits, as the pipelines c
   Training and validation lay the rows back in the pipeline's order (qwen_image21.with_slots).
 - The processor: the pipeline's own Qwen2VLProcessor where torchvision is installed; without torchvision,
   transformers builds no Qwen2VLProcessor (its video processor needs it), so zerotrain builds it from the
-  tokenizer and Qwen2VLImageProcessorPil (flux3.text_processor). The two resample alike up to rounding; which
-  one read an image is part of its caption's cache key (text_reference_identity).
+  tokenizer and Qwen2VLImageProcessorPil (flux3.text_processor). At the Plus pipeline's 384^2 images the two
+  differ by at most one uint8 level; at QwenImageEditPipeline's 1024^2 reference, where both libraries resize
+  in two passes but in opposite orders, by up to 10 levels on a textured image (benchmarks/qwen_edit_processor.py).
+  Which one read an image is part of its caption's cache key (text_reference_identity).
 """
 
 from __future__ import annotations
