@@ -237,7 +237,8 @@ class DataConfig(_Section):
     (512 for the DiT families, SD3 77 CLIP + 256 T5, SDXL/SD1.5 77). Families with variable-length
     text (Qwen-Image, Z-Image, Chroma, Krea 2, Ideogram 4, FLUX.3 [klein]) cache up to this many tokens
     and train on each batch's longest caption; Ideogram 4 and FLUX.3 [klein] stop on a longer caption
-    (their pipelines would not cut it)."""
+    (their pipelines would not cut it). Where the text encoder reads an edit's reference images
+    (Qwen-Image-Edit, Qwen-Image 2.1), this counts the caption's rows; the images' rows come on top."""
     datasets: list[DatasetConfig] = Field(default_factory=list)
     """Image folders or manifests to train on, each with its repeat count."""
     bucket_step: int = Field(64, ge=8, le=512)

@@ -51,6 +51,7 @@ from zerotrain.families.base import (
 )
 from zerotrain.families.flux import swap_halves
 from zerotrain.families.flux2 import FAMILY as FLUX2
+from zerotrain.families.parts.qwen_vl import text_processor
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
@@ -132,30 +133,6 @@ def padded_text(text: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise ValueError("prompt_embeds_mask marks no row of a caption")
     rows = torch.minimum(torch.arange(longest, device=text.device)[None], lengths[:, None])
     return text.gather(1, rows.unsqueeze(-1).expand(-1, -1, text.shape[2]))
-
-
-def text_processor(tokenizer: Any, image_processor: Any = None, base: type | None = None) -> Any:
-    """Qwen3-VL's processor (or `base`: Qwen2VLProcessor for Qwen2.5-VL) around a loaded tokenizer (and image
-    processor: transformers' PIL one by default), without a video processor: transformers builds the Qwen-VL video
-    processors only with torchvision, which zerotrain does not install, and the pipelines read text and images
-    only. It saves as that processor without one (the tokenizer, the image processor and the chat template)."""
-    from transformers import Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    class TextQwen3VLProcessor(base or Qwen3VLProcessor):
-        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-        def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any:
-            kwargs.pop("push_to_hub", None)
-            self.tokenizer.save_pretrained(save_directory, **kwargs)
-            self.image_processor.save_pretrained(save_directory)
-            return [save_directory]
-
-    return TextQwen3VLProcessor(image_processor=image_processor or Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
-                                video_processor=None, chat_template=tokenizer.chat_template)
 
 
 def component_source(folder: Path | str, name: str) -> tuple[str, str]:

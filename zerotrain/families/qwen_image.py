@@ -43,7 +43,7 @@ from zerotrain.families.base import (
     meta_or_random,
     trim_rows,
 )
-from zerotrain.families.qwen_image_edit import EDIT_PIPELINES, PLUS
+from zerotrain.families.parts.qwen_image_edit import EDIT_PIPELINES, PLUS
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
@@ -219,13 +219,13 @@ class QwenImage(BaseFamily):
     def reference_text_rows(self, spec: ModelSpec, references: list[tuple[int, int]]) -> int:
         """The text encoder's rows of the references (width, height) beside the caption's: the images' tokens
         (qwen_image_edit.image_rows), which the cache keeps apart from data.text_tokens."""
-        from zerotrain.families.qwen_image_edit import image_rows
+        from zerotrain.families.parts.qwen_image_edit import image_rows
 
         return sum(image_rows(self.pipeline_name(spec), w, h) for w, h in references)
 
     def text_reference_identity(self, spec: ModelSpec) -> tuple[Any, ...]:
         """The image processor that reads an edit caption's references (qwen_image_edit.vl_backend)."""
-        from zerotrain.families.qwen_image_edit import vl_backend
+        from zerotrain.families.parts.qwen_image_edit import vl_backend
 
         return (("vl_processor", vl_backend()),) if self.max_references(spec) else ()
 
@@ -237,7 +237,7 @@ class QwenImage(BaseFamily):
 
     def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: Any, skipped: dict[str, None]) -> Any:
         if pipeline_class.__name__ in EDIT_PIPELINES:
-            from zerotrain.families import qwen_image_edit
+            from zerotrain.families.parts import qwen_image_edit
 
             return qwen_image_edit.encoder_pipeline(pipeline_class, folder, dtype)
         return super().encoder_pipeline(pipeline_class, folder, dtype, skipped)
@@ -272,7 +272,7 @@ class QwenImage(BaseFamily):
 
         check_tokens(text_tokens, 1, MAX_TEXT_TOKENS, "Qwen2.5-VL tokens for Qwen-Image")
         if images is not None:
-            from zerotrain.families.qwen_image_edit import encode_with_images
+            from zerotrain.families.parts.qwen_image_edit import encode_with_images
 
             encoded = [encode_with_images(pipeline, caption, pictures, text_tokens, device, self.title)
                        for caption, pictures in zip(captions, images, strict=True)]
@@ -320,7 +320,7 @@ class QwenImage(BaseFamily):
             raise ValueError(f"prompt_embeds must be ({b}, T, D), got {tuple(text.shape)}")
         text, valid = trim_rows(text, mask)
         if "image_pad_mask" in batch:  # an edit: the caption's rows laid back around its images' rows
-            from zerotrain.families.qwen_image21 import with_slots
+            from zerotrain.families.parts.qwen_vl import with_slots
 
             text, valid, _ = with_slots(text, valid, batch["image_pad_mask"], batch["image_rows"])
         dtype = objective.model_dtype
@@ -357,7 +357,7 @@ class QwenImage(BaseFamily):
         into None itself. Guidance is true_cfg_scale; max_sequence_length admits every cached token of a
         text-to-image prompt (the pipeline's default is 512, and it cuts there); the edit pipelines cut
         nothing and refuse a max_sequence_length above 1024, so an edit gives none."""
-        from zerotrain.families.qwen_image_edit import cached_rows
+        from zerotrain.families.parts.qwen_image_edit import cached_rows
 
         kwargs: dict[str, Any] = {"true_cfg_scale": guidance_scale}
         for prefix, given in (("", embeds), ("negative_", negative)):
@@ -405,8 +405,8 @@ class QwenImage(BaseFamily):
         if edit:
             from transformers import Qwen2VLProcessor
 
-            from zerotrain.families.flux3 import text_processor
-            from zerotrain.families.qwen_image_edit import published_image_processor
+            from zerotrain.families.parts.qwen_image_edit import published_image_processor
+            from zerotrain.families.parts.qwen_vl import text_processor
 
             # The ids of the vision tokens in this tokenizer, where the model places an image's states.
             for name, token in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),

@@ -30,7 +30,7 @@ What sets it apart:
 The planner traces the transformer on the meta device with img_mask on the host: the transformer derives its
 token layout from it with nonzero and tolist (trace.HostMetadataMode).
 
-The processor (Qwen3VLProcessor) is built without its video processor (flux3.text_processor): transformers
+The processor (Qwen3VLProcessor) is built without its video processor (parts.qwen_vl.text_processor): transformers
 builds that one only with torchvision, which zerotrain does not install.
 
 ComfyUI: its Qwen-Image 2.1 layout is diffusers' names with each block's SwiGLU gate and up projections fused
@@ -56,6 +56,7 @@ from zerotrain.families.base import (
     trim_rows,
 )
 from zerotrain.families.flux import fuse_lora
+from zerotrain.families.parts.qwen_vl import with_slots
 from zerotrain.families.qwen_image import _channel_view
 from zerotrain.protocols import VaeFacts
 
@@ -116,34 +117,6 @@ def joint_inputs(image: torch.Tensor, text: torch.Tensor, valid: torch.Tensor | 
             "img_mask": image_mask(text.shape[1], height, width, b, mask_device, slots)}
 
 
-def with_slots(text: torch.Tensor, valid: torch.Tensor, image_pad_mask: torch.Tensor,
-               slot_rows: torch.Tensor | None = None) -> tuple[Any, Any, Any]:
-    """A batch's caption rows (B, n, D) and mask (B, n) (trim_rows) laid back into the text encoder's sequence
-    with the condition images' slots, where the cache keeps only their flags (image_pad_mask (B, T + S), True at
-    the S slots): (B, n + S, D) with zero rows at the slots (the transformer puts the images' latents there and
-    reads nothing of those rows), or `slot_rows` (B, S, D) there (Qwen-Image-Edit keeps the text encoder's
-    rows of the images), the mask (B, n + S) valid at the slots, and the slots' flags (n + S,). The template puts
-    the images before the caption, so every caption's slots sit at the same places; a batch whose samples' slots
-    differ is an error."""
-    import torch
-
-    flags = image_pad_mask > 0
-    count = int(flags[0].sum())
-    rows = text.shape[1] + count
-    row = flags[0, :rows]
-    if int(row.sum()) != count or not torch.equal(flags[:, :rows], row.expand(len(flags), -1)) or flags[:, rows:].any():
-        raise ValueError("the samples of a batch must hold their condition images' slots at the same rows of the text")
-    full = text.new_zeros(text.shape[0], rows, *text.shape[2:])
-    full[:, ~row] = text
-    if slot_rows is not None:
-        if slot_rows.shape[:2] != (text.shape[0], count):
-            raise ValueError(f"{count} image slots in the text, but image rows {tuple(slot_rows.shape)}")
-        full[:, row] = slot_rows.to(text.dtype)
-    mask = torch.ones(text.shape[0], rows, dtype=torch.bool, device=valid.device)
-    mask[:, ~row.to(valid.device)] = valid.bool()
-    return full, mask, row
-
-
 def condition_size(area: int, control: tuple[int, int]) -> tuple[int, int]:
     """(width, height) of a condition image of `control`'s size as QwenImage21Pipeline sizes it for
     output_resolution ** 2 = `area` pixels (calculate_dimensions: its aspect at that area, sides rounded to 32),
@@ -191,7 +164,7 @@ def load_processor(folder: Path | str) -> Any:
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from zerotrain.families.flux3 import text_processor
+    from zerotrain.families.parts.qwen_vl import text_processor
 
     return text_processor(AutoTokenizer.from_pretrained(folder, subfolder="processor"),
                           Qwen2VLImageProcessorPil.from_pretrained(folder, subfolder="processor"))
@@ -472,9 +445,9 @@ class QwenImage21(BaseFamily):
         the processor without its video processor, and the scheduler the pipeline's fallbacks describe."""
         from transformers import Qwen3VLForConditionalGeneration
 
-        from zerotrain.families.flux3 import text_processor
         from zerotrain.families.ideogram4 import QWEN3_VL_TEXT_TEMPLATE
         from zerotrain.families.krea2 import qwen3_vl_config
+        from zerotrain.families.parts.qwen_vl import text_processor
         from zerotrain.models import tiny_parts as tiny
 
         template = ("<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n"

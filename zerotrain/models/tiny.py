@@ -50,7 +50,7 @@ def build_tiny_pipeline(name: str, folder: Path) -> Path:
 
 def _name_transformers_classes(folder: Path, pipeline: Any) -> None:
     """model_index.json naming each component of a zerotrain subclass of a transformers class (a processor
-    built without torchvision: flux3.text_processor) by that transformers class, as the published repos do."""
+    built without torchvision: families.parts.qwen_vl.text_processor) by that transformers class, as the published repos do."""
     path = folder / "model_index.json"
     if not path.is_file():
         return

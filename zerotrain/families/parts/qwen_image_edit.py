@@ -10,10 +10,10 @@ up to three): the text side of the Qwen-Image family's edits, as the pipelines c
 - The cache keeps a caption's own rows as prompt_embeds (data.text_tokens of them, as for text-to-image), the
   images' rows apart (image_rows) and where they sat (image_pad_mask), so that data.text_tokens stays the
   caption's budget and the planner adds the images' rows for the references it plans (reference_text_rows).
-  Training and validation lay the rows back in the pipeline's order (qwen_image21.with_slots).
+  Training and validation lay the rows back in the pipeline's order (parts.qwen_vl.with_slots).
 - The processor: the pipeline's own Qwen2VLProcessor where torchvision is installed; without torchvision,
   transformers builds no Qwen2VLProcessor (its video processor needs it), so zerotrain builds it from the
-  tokenizer and Qwen2VLImageProcessorPil (flux3.text_processor). At the Plus pipeline's 384^2 images the two
+  tokenizer and Qwen2VLImageProcessorPil (parts.qwen_vl.text_processor). At the Plus pipeline's 384^2 images the two
   differ by at most one uint8 level; at QwenImageEditPipeline's 1024^2 reference, where both libraries resize
   in two passes but in opposite orders, by up to 10 levels on a textured image (benchmarks/qwen_edit_processor.py).
   Which one read an image is part of its caption's cache key (text_reference_identity).
@@ -63,7 +63,7 @@ def load_processor(folder: Path | str) -> Any:
         return Qwen2VLProcessor.from_pretrained(folder, subfolder="processor")
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from zerotrain.families.flux3 import text_processor
+    from zerotrain.families.parts.qwen_vl import text_processor
 
     return text_processor(AutoTokenizer.from_pretrained(folder, subfolder="processor"),
                           Qwen2VLImageProcessorPil.from_pretrained(folder, subfolder="processor"), Qwen2VLProcessor)
@@ -135,7 +135,7 @@ def encode_with_images(pipeline: Any, caption: str, pictures: list[Any], text_to
 def cached_rows(embeds: dict[str, Any]) -> tuple[Any, Any]:
     """A cached prompt's rows and mask as the pipeline's encode_prompt returns them: cut to its own length,
     an edit's caption rows laid back around its images' rows."""
-    from zerotrain.families.qwen_image21 import with_slots
+    from zerotrain.families.parts.qwen_vl import with_slots
 
     text, mask = trim_rows(embeds["prompt_embeds"], embeds["prompt_embeds_mask"])
     if "image_pad_mask" in embeds:
