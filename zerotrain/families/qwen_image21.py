@@ -161,13 +161,9 @@ def render_class() -> type:
 
 def load_processor(folder: Path | str) -> Any:
     """The folder's processor/ (a Qwen3VLProcessor's files) as text_processor builds it, without torchvision."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from zerotrain.families.parts.qwen_vl import load_text_processor
 
-    from zerotrain.families.parts.qwen_vl import text_processor
-
-    return text_processor(AutoTokenizer.from_pretrained(folder, subfolder="processor"),
-                          Qwen2VLImageProcessorPil.from_pretrained(folder, subfolder="processor"))
+    return load_text_processor(folder)
 
 
 class QwenImage21(BaseFamily):

@@ -57,16 +57,13 @@ def vl_backend() -> str:
 def load_processor(folder: Path | str) -> Any:
     """The folder's processor/ as the edit pipelines load it (Qwen2VLProcessor) where torchvision is installed;
     without it, the same tokenizer and image settings around transformers' PIL image processor."""
-    from transformers import AutoTokenizer, Qwen2VLProcessor
+    from transformers import Qwen2VLProcessor
+
+    from zerotrain.families.parts.qwen_vl import load_text_processor
 
     if vl_backend() == "torchvision":
         return Qwen2VLProcessor.from_pretrained(folder, subfolder="processor")
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from zerotrain.families.parts.qwen_vl import text_processor
-
-    return text_processor(AutoTokenizer.from_pretrained(folder, subfolder="processor"),
-                          Qwen2VLImageProcessorPil.from_pretrained(folder, subfolder="processor"), Qwen2VLProcessor)
+    return load_text_processor(folder, Qwen2VLProcessor)
 
 
 def vl_size(pipeline_name: str, width: int, height: int) -> tuple[int, int]:

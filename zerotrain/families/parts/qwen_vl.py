@@ -18,7 +18,7 @@ def text_processor(tokenizer: Any, image_processor: Any = None, base: type | Non
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    class TextQwen3VLProcessor(base or Qwen3VLProcessor):
+    class TextVLProcessor(base or Qwen3VLProcessor):
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             if argument_name == "video_processor" and argument is None:
                 return None
@@ -30,8 +30,18 @@ def text_processor(tokenizer: Any, image_processor: Any = None, base: type | Non
             self.image_processor.save_pretrained(save_directory)
             return [save_directory]
 
-    return TextQwen3VLProcessor(image_processor=image_processor or Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
+    return TextVLProcessor(image_processor=image_processor or Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
                                 video_processor=None, chat_template=tokenizer.chat_template)
+
+
+def load_text_processor(folder: Any, base: type | None = None) -> Any:
+    """A model folder's processor/ (its tokenizer and image processor settings) as text_processor builds it,
+    without torchvision: a Qwen3VLProcessor, or `base`."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return text_processor(AutoTokenizer.from_pretrained(folder, subfolder="processor"),
+                          Qwen2VLImageProcessorPil.from_pretrained(folder, subfolder="processor"), base)
 
 
 def with_slots(text: torch.Tensor, valid: torch.Tensor, image_pad_mask: torch.Tensor,
