@@ -724,7 +724,7 @@ def worker(job_file: Path) -> int:
     from zerotrain.models.catalog import resolve_model
     from zerotrain.monitor import write_json
     from zerotrain.quiet import quiet_libraries
-    from zerotrain.train import allocator_settings
+    from zerotrain.trainer import allocator_settings
 
     job = json.loads(job_file.read_text())
     run = RunConfig.model_validate(job["run"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +22,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from zerotrain import families
 from zerotrain.checkpoint import find, make_universal, needs_universal, resume_stage, usable
 from zerotrain.config import RunConfig, load_config
 from zerotrain.distributed import (
@@ -40,11 +38,10 @@ from zerotrain.distributed import (
     use_device,
 )
 from zerotrain.errors import ZerotrainError
-from zerotrain.faults import OomRecovery, StopSignal, oom_advice
-from zerotrain.monitor import Monitor, measured_peaks
+from zerotrain.faults import OomRecovery
 from zerotrain.planner.entry import RunPlan, plan_for_run
 from zerotrain.protocols import ModelSpec
-from zerotrain.trainer import Checkpointer, Counter, DataFeed, Trainer
+from zerotrain.trainer import allocator_settings, build_trainer, make_monitor, pinning_warnings, run_loop
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -100,23 +97,6 @@ def collective_failure(err: BaseException) -> bool:
     text = str(err)
     return isinstance(err, torch.distributed.DistError) or (
         isinstance(err, RuntimeError) and any(k in text for k in ("gloo", "NCCL", "Connection reset", "Connection closed")))
-
-
-def exact_pinning_supported() -> bool:
-    """Whether this torch knows pinned_max_round_threshold_mb (2.13 is the oldest checked)."""
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 13)
-
-
-def allocator_settings(run: RunConfig) -> None:
-    """The allocator settings the planner's constants assume, set before any CUDA allocation and
-    added to what the user or launcher set: expandable segments (planner.fragmentation) and exact
-    pinning of host buffers above planner.pinned_exact_above_mib (memory.pinned_bytes)."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    threshold = run.planner.pinned_exact_above_mib
-    if threshold is not None and "pinned_max_round_threshold_mb" not in conf and exact_pinning_supported():
-        conf += f",pinned_max_round_threshold_mb:{threshold}"
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
 
 
 def warn(line: str) -> None:
@@ -198,9 +178,8 @@ def fit(run: RunConfig, spec: ModelSpec, topo: Topology, checkpoint: Path | None
         run = resume_stage(run, checkpoint)
     planned = from_rank0(plan_run, topo, run, spec, topo, checkpoint is not None)
     run, layout = planned.run, planned.layout
-    for line in planned.notes if topo.is_main else []:
+    for line in [*planned.notes, *pinning_warnings(run, planned, device)] if topo.is_main else []:
         warn(line)
-    pinning_warning(run, planned, device, topo)
     write_run_folder(planned, topo)
 
     # Data: build or top up the cache (the encoders are freed before the model loads).
@@ -233,99 +212,6 @@ def fit(run: RunConfig, spec: ModelSpec, topo: Topology, checkpoint: Path | None
     trainer.monitor = make_monitor(planned, topo, device, trainer.counter.step)
     trainer.recovery = OomRecovery(planned, denoiser(trainer.engine), trainer.counter.step, device, topo.is_main)
     return run_loop(trainer, planned, device)
-
-
-def pinning_warning(run: RunConfig, planned: RunPlan, device: torch.device, topo: Topology) -> None:
-    if (topo.is_main and device.type == "cuda" and planned.layout.offload_optimizer == "cpu"
-            and run.planner.pinned_exact_above_mib is not None and not exact_pinning_supported()):
-        warn(f"torch {torch.__version__} rounds every pinned host buffer up to a power of two (no "
-             "pinned_max_round_threshold_mb before torch 2.13): the offload may take up to twice the planned host "
-             "RAM; plan with planner.pinned_exact_above_mib: null, or upgrade torch")
-
-
-def build_trainer(planned: RunPlan, folder: Path, topo: Topology, device: torch.device, loader, sampler) -> Trainer:
-    """The model as planned (mode, checkpointing, offload, compilation), the engine, the EMA, and the
-    loop's components."""
-    from zerotrain import loading
-    from zerotrain.ema import ShardedEMA
-    from zerotrain.engine import apply_mode, build_engine
-    from zerotrain.objectives import make_objective
-
-    run, spec, layout = planned.run, planned.spec, planned.layout
-    scheduler_config = families.of(spec).scheduler_config(folder)
-    objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
-    torch.manual_seed(run.training.seed)  # LoRA's initial weights come from torch's global generator
-    model, done = loading.load(spec, folder, run, topo, device, planned.config)
-    checkpointing = planned.result.checkpointed(layout)  # every block (True), the named ones, or none ([])
-    done += apply_mode(model, spec, run, checkpointing, layout.offload_activations, layout.stage)
-    if topo.is_main:
-        print("\n".join(done), flush=True)
-    engine = build_engine(model, planned.config, run, device)
-    generator = torch.Generator().manual_seed(run.training.seed * 100_003 + topo.rank)
-    ema = ShardedEMA(engine, run.ema.decay, run.ema.start_step) if run.ema.enabled else None
-    counter = Counter(run.training.global_batch_size)
-    checkpointer = Checkpointer(engine, run, topo, {"objective": generator}, {"counter": counter, "sampler": sampler},
-                                ema)
-    feed = DataFeed(loader, sampler, objective, generator, device, run.faults, topo.is_main, layout.accumulation)
-    return Trainer(engine, run, topo, device, feed, counter, checkpointer, StopSignal(run.faults.grace_seconds),
-                   ema=ema)
-
-
-def make_monitor(planned: RunPlan, topo: Topology, device: torch.device, start_step: int) -> Monitor:
-    from zerotrain.planner.search import describe
-
-    run = planned.run
-    return Monitor(run.output_dir, topo, device, max_steps=run.training.max_steps, start_step=start_step,
-                   images_per_step=run.training.global_batch_size, predicted=planned.used.memory,
-                   layout_text=describe(planned.layout), flops_per_image=planned.result.flops_per_sample,
-                   peak_flops_per_gpu=planned.hw.peak_bf16_flops if device.type == "cuda" else None,
-                   every=run.logging.every, tensorboard=run.logging.tensorboard,
-                   progress_bar=run.logging.progress_bar, memory_check_step=run.logging.memory_check_step,
-                   margin_bytes=planned.used.margin_bytes, wandb=wandb_setup(planned))
-
-
-def wandb_setup(planned: RunPlan) -> tuple | None:
-    """What the W&B run gets besides the scalars (logging.wandb): the resolved config, and the plan's
-    summary (the layout, the predicted memory and speed)."""
-    from zerotrain.planner.search import describe
-
-    run, used = planned.run, planned.used
-    if run.logging.wandb is None:
-        return None
-    summary = {"plan/layout": describe(used.layout), "plan/predicted_gib_per_gpu": used.memory.device_total / 2**30,
-               "plan/predicted_images_per_second": used.images_per_second,
-               "plan/gpus": planned.hw.world_size}
-    return run.logging.wandb, run.model_dump(mode="json"), summary
-
-
-def run_loop(trainer: Trainer, planned: RunPlan, device: torch.device) -> bool:
-    """trainer.fit, with an out-of-memory step turned into one line: what was predicted, what was
-    measured, and what to change."""
-    from zerotrain.planner.search import describe, gib
-
-    run = planned.run
-    try:
-        return trainer.fit(planned.layout.accumulation)
-    except torch.OutOfMemoryError as err:
-        measured, used = measured_peaks(device), trainer.recovery.current
-        raise ZerotrainError(
-            f"CUDA out of memory at step {trainer.counter.step + 1} with {describe(used.layout)}{moves(trainer)}: "
-            f"the planner predicted {gib(used.memory.device_total)} per GPU, the peak measured on this rank was "
-            f"{gib(measured['max_allocated'] or 0)} allocated, {gib(measured['max_reserved'] or 0)} reserved "
-            f"({' '.join(str(err).split())[:200]}). {oom_advice(planned.result, used, run.planner.headroom)}. "
-            "The last checkpoint is untouched") from err
-    finally:
-        trainer.stop.restore()
-        trainer.monitor.close()
-
-
-def moves(trainer: Trainer) -> str:
-    """How the run got to its layout, for the out-of-memory line."""
-    recovery = trainer.recovery
-    done = len(recovery.adjusted) - len(recovery.planned.adjusted)
-    if done:
-        return f" (after {done} out-of-memory recover{'y' if done == 1 else 'ies'} this run)"
-    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,10 @@
   load_state_dict), as the sampler and the step counter do; the EMA writes its own files.
 - BadSteps: the count of skipped steps in a row, and when it ends the run.
 - Trainer: the loop over steps, with the stop signal agreed on by every rank once per step, the
-  validator's images when due, the monitor's lines, and the one-line error of an out-of-memory step.
+  validator's images when due, and the monitor's lines.
+- What train.py builds and runs: the allocator settings the plan assumes (also calibrate's), the
+  Trainer of a planned run (build_trainer, make_monitor), and run_loop, which turns an out-of-memory
+  step into one line.
 """
 
 from __future__ import annotations
@@ -18,16 +21,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from zerotrain import families
 from zerotrain.config.sections import FaultsConfig, RunConfig
 from zerotrain.distributed import Topology
 from zerotrain.errors import ZerotrainError
-from zerotrain.monitor import StepTimes
+from zerotrain.faults import StopSignal, oom_advice
+from zerotrain.monitor import Monitor, StepTimes, measured_peaks
+
+if TYPE_CHECKING:
+    from zerotrain.planner.entry import RunPlan
 
 # What a micro-batch is to train_step: the model's keyword inputs (on the device), and the loss of
 # the model's prediction.
@@ -360,3 +369,117 @@ class Trainer:
             paths = validator.render(denoiser(self.engine), step, self.run.output_dir, self.monitor.writer)
         if paths:
             self.monitor.log(f"validation images of step {step}: {paths[-1].parent}")
+
+
+# ---- a run's trainer as train.py builds and runs it ----
+
+def exact_pinning_supported() -> bool:
+    """Whether this torch knows pinned_max_round_threshold_mb (2.13 is the oldest checked)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
+def allocator_settings(run: RunConfig) -> None:
+    """The allocator settings the planner's constants assume, set before any CUDA allocation and
+    added to what the user or launcher set: expandable segments (planner.fragmentation) and exact
+    pinning of host buffers above planner.pinned_exact_above_mib (memory.pinned_bytes)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    threshold = run.planner.pinned_exact_above_mib
+    if threshold is not None and "pinned_max_round_threshold_mb" not in conf and exact_pinning_supported():
+        conf += f",pinned_max_round_threshold_mb:{threshold}"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+
+
+def pinning_warnings(run: RunConfig, planned: RunPlan, device: torch.device) -> list[str]:
+    """A warning when this torch cannot pin the offloaded optimizer's host buffers as the plan counts them."""
+    if (device.type == "cuda" and planned.layout.offload_optimizer == "cpu"
+            and run.planner.pinned_exact_above_mib is not None and not exact_pinning_supported()):
+        return [(f"torch {torch.__version__} rounds every pinned host buffer up to a power of two (no "
+                 "pinned_max_round_threshold_mb before torch 2.13): the offload may take up to twice the planned host "
+                 "RAM; plan with planner.pinned_exact_above_mib: null, or upgrade torch")]
+    return []
+
+
+def build_trainer(planned: RunPlan, folder: Path, topo: Topology, device: torch.device, loader, sampler) -> Trainer:
+    """The model as planned (mode, checkpointing, offload, compilation), the engine, the EMA, and the
+    loop's components."""
+    from zerotrain import loading
+    from zerotrain.ema import ShardedEMA
+    from zerotrain.engine import apply_mode, build_engine
+    from zerotrain.objectives import make_objective
+
+    run, spec, layout = planned.run, planned.spec, planned.layout
+    scheduler_config = families.of(spec).scheduler_config(folder)
+    objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
+    torch.manual_seed(run.training.seed)  # LoRA's initial weights come from torch's global generator
+    model, done = loading.load(spec, folder, run, topo, device, planned.config)
+    checkpointing = planned.result.checkpointed(layout)  # every block (True), the named ones, or none ([])
+    done += apply_mode(model, spec, run, checkpointing, layout.offload_activations, layout.stage)
+    if topo.is_main:
+        print("\n".join(done), flush=True)
+    engine = build_engine(model, planned.config, run, device)
+    generator = torch.Generator().manual_seed(run.training.seed * 100_003 + topo.rank)
+    ema = ShardedEMA(engine, run.ema.decay, run.ema.start_step) if run.ema.enabled else None
+    counter = Counter(run.training.global_batch_size)
+    checkpointer = Checkpointer(engine, run, topo, {"objective": generator}, {"counter": counter, "sampler": sampler},
+                                ema)
+    feed = DataFeed(loader, sampler, objective, generator, device, run.faults, topo.is_main, layout.accumulation)
+    return Trainer(engine, run, topo, device, feed, counter, checkpointer, StopSignal(run.faults.grace_seconds),
+                   ema=ema)
+
+
+def make_monitor(planned: RunPlan, topo: Topology, device: torch.device, start_step: int) -> Monitor:
+    from zerotrain.planner.search import describe
+
+    run = planned.run
+    return Monitor(run.output_dir, topo, device, max_steps=run.training.max_steps, start_step=start_step,
+                   images_per_step=run.training.global_batch_size, predicted=planned.used.memory,
+                   layout_text=describe(planned.layout), flops_per_image=planned.result.flops_per_sample,
+                   peak_flops_per_gpu=planned.hw.peak_bf16_flops if device.type == "cuda" else None,
+                   every=run.logging.every, tensorboard=run.logging.tensorboard,
+                   progress_bar=run.logging.progress_bar, memory_check_step=run.logging.memory_check_step,
+                   margin_bytes=planned.used.margin_bytes, wandb=wandb_setup(planned))
+
+
+def wandb_setup(planned: RunPlan) -> tuple | None:
+    """What the W&B run gets besides the scalars (logging.wandb): the resolved config, and the plan's
+    summary (the layout, the predicted memory and speed)."""
+    from zerotrain.planner.search import describe
+
+    run, used = planned.run, planned.used
+    if run.logging.wandb is None:
+        return None
+    summary = {"plan/layout": describe(used.layout), "plan/predicted_gib_per_gpu": used.memory.device_total / 2**30,
+               "plan/predicted_images_per_second": used.images_per_second,
+               "plan/gpus": planned.hw.world_size}
+    return run.logging.wandb, run.model_dump(mode="json"), summary
+
+
+def run_loop(trainer: Trainer, planned: RunPlan, device: torch.device) -> bool:
+    """trainer.fit, with an out-of-memory step turned into one line: what was predicted, what was
+    measured, and what to change."""
+    from zerotrain.planner.search import describe, gib
+
+    run = planned.run
+    try:
+        return trainer.fit(planned.layout.accumulation)
+    except torch.OutOfMemoryError as err:
+        measured, used = measured_peaks(device), trainer.recovery.current
+        raise ZerotrainError(
+            f"CUDA out of memory at step {trainer.counter.step + 1} with {describe(used.layout)}{moves(trainer)}: "
+            f"the planner predicted {gib(used.memory.device_total)} per GPU, the peak measured on this rank was "
+            f"{gib(measured['max_allocated'] or 0)} allocated, {gib(measured['max_reserved'] or 0)} reserved "
+            f"({' '.join(str(err).split())[:200]}). {oom_advice(planned.result, used, run.planner.headroom)}. "
+            "The last checkpoint is untouched") from err
+    finally:
+        trainer.stop.restore()
+        trainer.monitor.close()
+
+
+def moves(trainer: Trainer) -> str:
+    """How the run got to its layout, for the out-of-memory line."""
+    recovery = trainer.recovery
+    done = len(recovery.adjusted) - len(recovery.planned.adjusted)
+    if done:
+        return f" (after {done} out-of-memory recover{'y' if done == 1 else 'ies'} this run)"
+    return ""

@@ -181,7 +181,7 @@ def test_training_sets_the_pinning_the_planner_assumes(monkeypatch, given, thres
     import os
 
     from zerotrain.config import load_config
-    from zerotrain.train import allocator_settings
+    from zerotrain.trainer import allocator_settings
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", given or "")  # recorded, so the test leaves it as it was
     if given is None:
