@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--comfyui", action="store_true", help="also write a ComfyUI-style LoRA / model file")
     commands.add_parser("build-ops", help="compile DeepSpeed's ops that training loads (CPU Adam, fused Adam, "
                                           "async I/O, ...) for this machine now, once, not at a run's first step")
+    r = commands.add_parser("presets", help="regenerate the DeepSpeed presets in deepspeed_configs/ (zerotrain plan "
+                                            "for each; a test fails when they drift)")
+    r.add_argument("--out", type=Path, metavar="DIR", help="write them here instead")
     calibrate.add_parser(commands)
     doctor.add_parser(commands)
     launch.add_parser(commands)
@@ -63,6 +66,27 @@ def run_build_ops() -> int:
         print(f"zerotrain: error: {', '.join(failed)} did not compile; `ds_report` shows what DeepSpeed needs, and "
               "a run that uses them would fail the same way", file=sys.stderr)
         return 2
+    return 0
+
+
+def regenerate_presets(folder: Path | None = None) -> list[Path]:
+    """Write every preset (planner.presets.PRESETS) into `folder` (deepspeed_configs/ by default) through
+    `zerotrain plan`, as a user would; returns the paths."""
+    from zerotrain.planner.presets import PRESETS, ROOT
+
+    written = []
+    for name, args in PRESETS.items():
+        path = (folder or ROOT) / name
+        code = main(["plan", *args, "--json", "--write-config", str(path)])
+        if code != 0:
+            raise ZerotrainError(f"preset {name}: zerotrain plan exited {code}")
+        written.append(path)
+    return written
+
+
+def run_presets(args: argparse.Namespace) -> int:
+    for path in regenerate_presets(args.out):
+        print(path, file=sys.stderr)
     return 0
 
 
@@ -174,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),
                     "export": lambda: run_export(args), "doctor": lambda: doctor.main(args),
                     "launch": lambda: launch.main(args), "calibrate": lambda: calibrate.main(args),
-                    "build-ops": run_build_ops}
+                    "build-ops": run_build_ops, "presets": lambda: run_presets(args)}
         return commands[args.command]()
     except ZerotrainError as err:
         if args.debug:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.cli import main
-from zerotrain.planner.presets import PRESETS, ROOT, regenerate
+from zerotrain.cli import main, regenerate_presets
+from zerotrain.planner.presets import PRESETS, ROOT
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
@@ -24,14 +24,14 @@ def facts_cache(tmp_path_factory, monkeypatch):
 def test_regression_guard_presets_do_not_drift(tmp_path, capsys):
     """A regression guard: planner output against a planner target, not a measurement. The committed
     presets are the planner's own output; a change to the planner that changes one fails here."""
-    regenerate(tmp_path)
+    regenerate_presets(tmp_path)
     capsys.readouterr()
     for name in PRESETS:
         committed = ROOT / name
-        assert committed.is_file(), f"{name} missing: run python -m zerotrain.planner.presets"
+        assert committed.is_file(), f"{name} missing: run zerotrain presets"
         fresh = json.loads((tmp_path / name).read_text())
         assert json.loads(committed.read_text()) == fresh, (
-            f"deepspeed_configs/{name} drifted from the planner; regenerate with python -m zerotrain.planner.presets")
+            f"deepspeed_configs/{name} drifted from the planner; regenerate with zerotrain presets")
         assert fresh["_zerotrain"]["command"].startswith("zerotrain plan ")
     assert sorted(p.name for p in ROOT.glob("*.json")) == sorted(PRESETS)
 

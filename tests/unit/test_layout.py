@@ -223,6 +223,52 @@ def test_every_family_module_defines_one_family():
         assert family.denoiser_classes and families.by_class(family.denoiser_classes[0]) is family
 
 
+# What families/ (the family modules, base and parts) may import of zerotrain besides families/ itself: the
+# leaf modules below it. Everything else (models, planner, data, train, ...) sits above and asks the families.
+BELOW_FAMILIES = {"zerotrain.errors", "zerotrain.protocols", "zerotrain.quiet", "zerotrain.recompute"}
+
+
+def family_rule_breaks(graph: dict[str, set[str]], family_modules: set[str]) -> list[str]:
+    """Import edges that break families/' rules: a family module importing another family module, a part
+    (or base) importing a family module, families/ importing a module above it. One line each. The package's
+    __init__ finds the families, so it imports them all."""
+    found = []
+    for name, edges in sorted(graph.items()):
+        if not name.startswith("zerotrain.families"):
+            continue
+        for target in sorted(edges - {name}):
+            if target in family_modules and name != "zerotrain.families":  # discovery imports every family
+                found.append(f"{name} imports the family module {target}")
+            elif not target.startswith("zerotrain.families") and target not in BELOW_FAMILIES | {"zerotrain"}:
+                found.append(f"{name} imports {target}, above families/")
+    return found
+
+
+def test_no_family_imports_another_and_families_import_nothing_above():
+    """Families are composed from parts (zerotrain/families/parts/): what two families share lives there,
+    once, and no family module imports another; families/ imports only the leaf modules below it."""
+    family_modules = {type(f).__module__ for f in families.all_families()}
+    assert len(family_modules) == len(families.all_families()) >= 11
+    assert family_rule_breaks(import_graph(PACKAGE.parent, PACKAGE.name), family_modules) == []
+
+
+def test_the_family_rule_finder_sees_sibling_and_upward_imports(tmp_path):
+    package = tmp_path / "zerotrain"
+    for path, text in {"__init__.py": "", "errors.py": "", "planner.py": "",
+                       "families/__init__.py": "", "families/base.py": "",
+                       "families/parts/__init__.py": "", "families/parts/vae.py": "from zerotrain.families import b\n",
+                       "families/a.py": "from zerotrain.families.parts import vae\nfrom zerotrain import errors\n",
+                       "families/b.py": "def f():\n    from zerotrain.families.a import X\n    from zerotrain import planner\n"}.items():
+        (package / path).parent.mkdir(parents=True, exist_ok=True)
+        (package / path).write_text(text)
+    graph = import_graph(tmp_path, "zerotrain")
+    assert family_rule_breaks(graph, {"zerotrain.families.a", "zerotrain.families.b"}) == [
+        "zerotrain.families.b imports the family module zerotrain.families.a",
+        "zerotrain.families.b imports zerotrain.planner, above families/",
+        "zerotrain.families.parts.vae imports the family module zerotrain.families.b",
+    ]
+
+
 # train.py reads top to bottom as an entry point (DESIGN.md): the loop, its parts and how they are built
 # live in trainer.py and the modules that own them. It was 298 lines when the Trainer landed.
 TRAIN_PY_LIMIT = 300
@@ -257,3 +303,12 @@ def test_the_length_check_sees_a_long_method(tmp_path):
     body = "".join(f"        x = {i}\n" for i in range(80))
     write(tmp_path / "pkg" / "mod.py", f"class A:\n    def long(self):\n{body}\n    def short(self):\n        pass\n")
     assert long_functions(tmp_path / "pkg", 80) == ["pkg/mod.py:2 long (81 lines)"]
+
+
+def test_no_module_imports_an_entry_point():
+    """The entry points sit on top: only cli imports train.py (`zerotrain train`), and nothing imports cli.
+    calibrate and planner.presets once did."""
+    graph = import_graph(PACKAGE.parent, PACKAGE.name)
+    importers = {entry: sorted(name for name, edges in graph.items() if entry in edges)
+                 for entry in ("zerotrain.train", "zerotrain.cli")}
+    assert importers == {"zerotrain.train": ["zerotrain.cli"], "zerotrain.cli": []}

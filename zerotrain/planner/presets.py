@@ -1,14 +1,11 @@
 """The DeepSpeed presets in deepspeed_configs/, each produced by one `zerotrain plan` command.
 
-Regenerate them with `python -m zerotrain.planner.presets`; tests/e2e fails when they drift
-from what the planner writes today."""
+Regenerate them with `zerotrain presets` (zerotrain.cli.regenerate_presets, which runs each
+command); tests/e2e fails when they drift from what the planner writes today."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-from zerotrain.cli import main
 
 PRESETS: dict[str, list[str]] = {
     "flux-dev-lora-1xA100-80GB.json": [
@@ -114,20 +111,3 @@ PRESETS: dict[str, list[str]] = {
 }
 
 ROOT = Path(__file__).resolve().parents[2] / "deepspeed_configs"
-
-
-def regenerate(folder: Path = ROOT) -> list[Path]:
-    """Write every preset into `folder` through the real CLI; returns the paths."""
-    written = []
-    for name, args in PRESETS.items():
-        path = folder / name
-        code = main(["plan", *args, "--json", "--write-config", str(path)])
-        if code != 0:
-            raise SystemExit(f"preset {name}: zerotrain plan exited {code}")
-        written.append(path)
-    return written
-
-
-if __name__ == "__main__":
-    for path in regenerate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT):
-        print(path, file=sys.stderr)
