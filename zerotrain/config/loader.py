@@ -71,7 +71,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     where = ".".join(str(p) for p in first["loc"]) or "(top level)"
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        message = "unknown field; check the spelling against the configuration reference in the README"
+        message = "unknown field; check the spelling against the configuration reference, docs/configuration.md"
     got = first.get("input")
     shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
     more = f" [+{len(err.errors()) - 1} more]" if len(err.errors()) > 1 else ""

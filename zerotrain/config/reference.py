@@ -1,16 +1,22 @@
 """The configuration reference, generated from the pydantic models' field docstrings:
-`python -m zerotrain.config.reference` prints the Markdown that README.md embeds (a test keeps
+`python -m zerotrain.config.reference` prints the Markdown that docs/configuration.md embeds
+between its markers, and `--write` writes it there (in a checkout; tests/unit/test_readme.py keeps
 the two in sync)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import typing
 from enum import Enum
+from pathlib import Path
 
 from pydantic import BaseModel
 
 from zerotrain.config.sections import RunConfig
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+BEGIN, END = "<!-- configuration reference -->", "<!-- end configuration reference -->"
 
 
 def _default(field) -> str:
@@ -58,5 +64,29 @@ def reference() -> str:
     return "\n".join(lines)
 
 
+def _between_markers(page: str) -> tuple[int, int]:
+    return page.index(BEGIN) + len(BEGIN), page.index(END)
+
+
+def embedded(page: str) -> str:
+    """The reference as `page` (docs/configuration.md's text) embeds it, between the markers."""
+    start, end = _between_markers(page)
+    return page[start:end].strip("\n")
+
+
+def write(path: Path = PAGE) -> None:
+    """Replace the reference between the markers of `path` with the generated one."""
+    page = path.read_text()
+    start, end = _between_markers(page)
+    path.write_text(page[:start] + "\n" + reference() + "\n" + page[end:])
+
+
 if __name__ == "__main__":
-    print(reference())
+    parser = argparse.ArgumentParser(prog="python -m zerotrain.config.reference",
+                                     description="print the configuration reference (Markdown)")
+    parser.add_argument("--write", action="store_true",
+                        help="write it into docs/configuration.md, between its markers, instead")
+    if parser.parse_args().write:
+        write()
+    else:
+        print(reference())
