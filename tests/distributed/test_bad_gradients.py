@@ -1,6 +1,6 @@
 """A finite loss with non-finite gradients on one rank (bad_grad_worker.py, two CPU ranks): DeepSpeed
 skips the step on every rank at every ZeRO stage, as zerotrain relies on (train.py counts a step
-DeepSpeed did not apply as skipped; README "Surviving faults"): the weights stay as they were, the
+DeepSpeed did not apply as skipped; docs/training.md, "Surviving faults"): the weights stay as they were, the
 LR schedule does not advance, and the next good step trains. With bf16.check_grad_overflow: false,
 which zerotrain refuses in a given DeepSpeed JSON, ZeRO-2 applies the bad step and the weights
 become non-finite: the reason for the refusal."""

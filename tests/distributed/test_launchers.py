@@ -1,4 +1,4 @@
-"""train.py starts the same way under every launcher the README shows: DeepSpeed's launcher,
+"""train.py starts the same way under every launcher docs/training.md shows: DeepSpeed's launcher,
 torchrun, Slurm's srun (ranks from SLURM_* only), and a plain single process. Each runs 2 steps
 of the tiny CPU example and must report the world size it was started with."""
 

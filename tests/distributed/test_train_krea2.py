@@ -5,7 +5,7 @@ zerotrain/train.py as a user runs it, in three runs:
         Krea2Pipeline with from_pretrained alone and renders (its ComfyUI file converts back to it)
     b   the same run stopped by SIGTERM after a few steps and run again: the resumed run's per-step
         losses equal run a's bit for bit
-    c   LoRA (rank 4), ZeRO-3, on Raw, as the README recommends, validation images rendered through
+    c   LoRA (rank 4), ZeRO-3, on Raw, as docs/families.md recommends, validation images rendered through
         Krea2Pipeline (classifier-free guidance at 4.5): the loss goes down, and the exported LoRA
         loads into Raw and into Turbo (the same folder with model_index.json's is_distilled), whose
         8-step, guidance-free image it changes; the ComfyUI LoRA loads into Krea2Pipeline as well

@@ -9,7 +9,7 @@ masked in attention):
     c  LoRA (rank 4), ZeRO-3, validation images of 3 prompts on 2 ranks through QwenImagePipeline
        with true classifier-free guidance (the family's default, true_cfg_scale 4): the loss goes down,
        and the exported LoRA loads with load_lora_weights and changes the image;
-    d  LoRA (rank 4) over a qint8-, qint4- (the README's Qwen-Image preset) and qfloat8-quantized base
+    d  LoRA (rank 4) over a qint8-, qint4- (docs/planning.md's Qwen-Image preset) and qfloat8-quantized base
        (optimum-quanto), ZeRO-2: the base's Linear weights are of that quanto type and shrink by its
        ratio, the loss goes down, and every exported lora_B (zero at the start) has moved.
 

@@ -21,7 +21,7 @@ from zerotrain.planner import trace
 from zerotrain.planner.facts import pack_facts, unpack_facts
 from zerotrain.planner.measure import SHIPPED_DIR, measure_model
 
-# What should be shipped, as the README promises it: every catalog model but the tiny test ones, at
+# What should be shipped, as docs/how-the-planner-works.md promises it: every catalog model but the tiny test ones, at
 # 512, 768 and 1024 px, fully fine-tuned or LoRA (default settings) over each quantization of the base.
 RESOLUTIONS = (512, 768, 1024)
 TRAINING = [{"mode": "full"}, *({"mode": "lora", "quantize_base": q} for q in ("none", "qint8", "qfloat8", "qint4"))]
