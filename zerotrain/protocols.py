@@ -96,6 +96,45 @@ class FlowObjective(Protocol):
         ...
 
 
+class LatentCodec(Protocol):
+    """A family's VAE part (zerotrain.families.parts.latents): the diffusers VAE class, what its config
+    means, how pixels become a posterior and how latents become the denoiser's inputs. Families that use
+    the same VAE share one codec."""
+
+    vae_class: ClassVar[str]
+    """The diffusers VAE class in the model folder's vae/."""
+
+    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
+        """The facts of a vae/config.json."""
+        ...
+
+    def published(self, latent_channels: int) -> VaeFacts:
+        """The published VAE of this class for a denoiser of `latent_channels`, where there is one."""
+        ...
+
+    def vae_downsampling(self, vae: Any) -> int:
+        """Pixels per latent cell of a loaded VAE."""
+        ...
+
+    def vae_latent_channels(self, vae: Any) -> int:
+        """Channels of a loaded VAE's latents, as the denoiser sees them (after any folding)."""
+        ...
+
+    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
+        """The VAE's latent distribution of (B, 3, H, W) pixels in [-1, 1]: .mean, .std and
+        .sample(generator), each (B, C, h, w)."""
+        ...
+
+    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents (B, C, h, w) into the denoiser's space, as the pipeline's inverse before
+        decoding expects them: (z - shift) * scaling for an AutoencoderKL."""
+        ...
+
+    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
+        """The posterior's std through normalize_latents (the shift drops out)."""
+        ...
+
+
 class Family(Protocol):
     """One model family: everything that differs between model families. Each module of
     zerotrain/families/ defines one as FAMILY (most subclass zerotrain.families.base.BaseFamily, which
@@ -110,7 +149,8 @@ class Family(Protocol):
     """The diffusers denoiser classes this family trains."""
     denoiser_folder: ClassVar[str]
     """The denoiser's subfolder in a diffusers model folder, and its pipeline component name."""
-    vae_class: ClassVar[str]
+    codec: ClassVar[LatentCodec]
+    """The VAE part (zerotrain.families.parts.latents): its class, facts, posterior and normalization."""
     pipeline: ClassVar[str]
     """The diffusers pipeline: its encode_prompt, its validation images, its LoRA file format."""
     text_components: ClassVar[tuple[tuple[str, str], ...]]
@@ -152,6 +192,9 @@ class Family(Protocol):
     reference_text_outputs: ClassVar[tuple[str, ...]]
     """What encode_prompt adds to text_outputs for a caption read with its images: image_pad_mask (where the
     images' rows sat), and Qwen-Image-Edit's image_rows (the text encoder's rows of the images)."""
+    diffusers_lokr: ClassVar[bool]
+    """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2): the
+    diffusers export writes a LoKr or LoHa only for such a family."""
 
     # --- the model and its latents -----------------------------------------------------------------
 
@@ -162,10 +205,6 @@ class Family(Protocol):
 
     def published_vae(self, config: dict[str, Any]) -> VaeFacts:
         """The family's published VAE, assumed when only a denoiser config is given."""
-        ...
-
-    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
-        """The facts of a vae/config.json (an AutoencoderKL by default)."""
         ...
 
     def patch(self, spec: ModelSpec) -> int:
@@ -246,26 +285,6 @@ class Family(Protocol):
         per prompt, no classifier-free guidance), named as text_outputs. A family whose
         text_reads_references also takes images= (each caption's reference images, PIL at reference_size)
         and adds reference_text_outputs to its outputs."""
-        ...
-
-    def vae_downsampling(self, vae: Any) -> int:
-        """Pixels per latent cell of a loaded VAE."""
-        ...
-
-    def vae_latent_channels(self, vae: Any) -> int: ...
-
-    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
-        """The VAE's latent distribution of (B, 3, H, W) pixels in [-1, 1]: .mean, .std and
-        .sample(generator), each (B, C, h, w)."""
-        ...
-
-    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
-        """VAE latents (B, C, h, w) into the denoiser's space, as the pipeline's inverse before
-        decoding expects them: (z - shift) * scaling by default."""
-        ...
-
-    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
-        """The posterior's std through normalize_latents (the shift drops out)."""
         ...
 
     def negative_embeds(self, folder: Path, negative_prompt: str, encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -405,6 +424,11 @@ class Family(Protocol):
     def comfyui_adapter(self, model: torch.nn.Module, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A LoKr or LoHa (peft's names, "<module>.lokr_w1", its scale baked in) in the names ComfyUI's
         LyCORIS loaders read for this family, without alpha (ComfyUI then scales by 1)."""
+        ...
+
+    def comfyui_adapter_name(self, module: str) -> str:
+        """The name ComfyUI gives an adapted diffusers module in a LyCORIS file (comfyui_adapter's names); one
+        line where the family has no such export."""
         ...
 
     def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -222,7 +222,7 @@ class Validator:
         import diffusers
 
         family = self.family
-        vae = getattr(diffusers, family.vae_class).from_pretrained(self.folder, subfolder="vae", torch_dtype=model.dtype)
+        vae = getattr(diffusers, family.codec.vae_class).from_pretrained(self.folder, subfolder="vae", torch_dtype=model.dtype)
         vae.to(self.device).requires_grad_(False).eval()
         components: dict[str, Any] = {"vae": vae, "scheduler": self.scheduler, family.denoiser_folder: model,
                                       **family.pipeline_kwargs(self.spec, self.folder)}

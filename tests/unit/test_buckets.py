@@ -18,7 +18,7 @@ from zerotrain.data.buckets import (
     make_buckets,
     plan_crop,
 )
-from zerotrain.families import pixel_factor
+from zerotrain.families import of
 from zerotrain.models.catalog import resolve_model
 
 CASES = [(1024, 64, 2.0), (1024, 64, 4.0), (512, 16, 1.5), (1000, 64, 2.0), (768, 32, 3.0), (1024, 128, 1.0)]
@@ -73,7 +73,8 @@ def test_bucket_step_respects_pixel_factor(config_step, factor, expected):
 
 def test_bucket_step_with_catalog_pixel_factors():
     for name in ("flux-dev", "sdxl-base", "sd3.5-medium"):
-        factor = pixel_factor(resolve_model(ModelConfig(name_or_path=name)))
+        spec = resolve_model(ModelConfig(name_or_path=name))
+        factor = of(spec).pixel_factor(spec)
         step = bucket_step(8, factor)
         assert step == factor
         assert all(w % factor == 0 and h % factor == 0 for w, h in make_buckets(1024, step, 2.0))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from zerotrain.config import ModelConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.base import scale_latents
+from zerotrain.families.parts.latents import scale_latents
 from zerotrain.families.sdxl import sdxl_time_ids
 from zerotrain.models import conditioning
 from zerotrain.models.catalog import resolve_model

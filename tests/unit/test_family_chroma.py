@@ -32,7 +32,7 @@ from zerotrain.engine import load_denoiser
 from zerotrain.export import comfyui_lora_state_dict, lora_metadata
 from zerotrain.families import of
 from zerotrain.families.chroma import FAMILY, used_text_tokens
-from zerotrain.families.flux import FLUX_SCHEDULER, pack_latents
+from zerotrain.families.parts.flux1 import FLUX_SCHEDULER, pack_latents
 from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
 from zerotrain.models.tiny import build_tiny_pipeline

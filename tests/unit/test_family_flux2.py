@@ -32,8 +32,8 @@ from zerotrain.families.flux2 import (
     DENOISER_DEFAULTS,
     FLUX2_SCHEDULER,
     PIPELINE_STEPS,
-    VAE_DEFAULTS,
 )
+from zerotrain.families.parts.latents import FLUX2_VAE_DEFAULTS as VAE_DEFAULTS
 from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_latents, encode_prompts, load_encoders
 from zerotrain.models.tiny import build_tiny_pipeline
@@ -122,9 +122,9 @@ def test_folder_vae_facts_come_from_autoencoder_kl_flux2(folders):
     spec = spec_of(folders["tiny-flux2"])
     assert (spec.vae_scale_factor, spec.latent_channels) == (4, 16)
     vae = diffusers.AutoencoderKLFlux2.from_pretrained(folders["tiny-flux2"], subfolder="vae")
-    assert of(spec).vae_downsampling(vae) == 4 and of(spec).vae_latent_channels(vae) == 16
+    assert of(spec).codec.vae_downsampling(vae) == 4 and of(spec).codec.vae_latent_channels(vae) == 16
     with pytest.raises(ZerotrainError, match="patch_size"):
-        of(spec).vae_facts({"patch_size": [1, 1]})
+        of(spec).codec.vae_facts({"patch_size": [1, 1]})
 
 
 # --- 2. planning ---------------------------------------------------------------------------------------

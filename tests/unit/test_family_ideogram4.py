@@ -26,9 +26,12 @@ from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
-from zerotrain.families.ideogram4 import FAMILY, IDEOGRAM4_SCHEDULER, QWEN3_VL_TEXT_TEMPLATE, fold
+from zerotrain.families.ideogram4 import FAMILY, IDEOGRAM4_SCHEDULER
+from zerotrain.families.parts.tiny import QWEN3_VL_TEXT_TEMPLATE
+
+fold = FAMILY.codec.fold
+from zerotrain.families.parts.tiny import QWEN3_PROMPT
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
-from zerotrain.models.tiny_parts import QWEN3_PROMPT
 from zerotrain.objectives import flow_interpolate, flow_target, make_objective
 from zerotrain.planner.measure import measure_model
 

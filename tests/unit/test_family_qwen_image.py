@@ -31,7 +31,8 @@ from zerotrain.config import ModelConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.families import example_inputs, of
-from zerotrain.families.qwen_image import FAMILY, QWEN_SCHEDULER, pack_latents
+from zerotrain.families.parts.latents import qwen_pack_latents as pack_latents
+from zerotrain.families.qwen_image import FAMILY, QWEN_SCHEDULER
 from zerotrain.models.catalog import check_trainable, is_plan_only, resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_latents, encode_prompts, load_encoders
 from zerotrain.models.tiny import build_tiny_pipeline, ensure_tiny_pipeline
@@ -112,7 +113,7 @@ def test_published_config_is_the_class_defaults_and_its_vae_facts(tmp_path):
     assert spec_of(str(tmp_path / "transformer" / "config.json")).vae_scale_factor == vae.spatial_compression_ratio == 4
     with torch.device("meta"):
         published_vae = AutoencoderKLQwenImage().config  # the class defaults: Qwen/Qwen-Image vae/config.json
-    assert FAMILY.vae_facts(dict(published_vae)) == FAMILY.published_vae(published.config)
+    assert FAMILY.codec.vae_facts(dict(published_vae)) == FAMILY.published_vae(published.config)
 
 
 def test_edit_variants_train_and_layered_plans_only():

@@ -34,6 +34,7 @@ from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
+from zerotrain.families.parts.tiny import QWEN3_PROMPT
 from zerotrain.families.z_image import (
     FAMILY,
     Z_IMAGE_SCHEDULER,
@@ -44,7 +45,6 @@ from zerotrain.families.z_image import (
 )
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
 from zerotrain.models.tiny import build_tiny_pipeline
-from zerotrain.models.tiny_parts import QWEN3_PROMPT
 from zerotrain.objectives import (
     flow_interpolate,
     flow_target,

@@ -16,7 +16,7 @@ from diffusers.training_utils import compute_snr
 from zerotrain.config import ModelConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.flux import FLUX_SCHEDULER, pack_latents  # the published scheduler configs
+from zerotrain.families.parts.flux1 import FLUX_SCHEDULER, pack_latents  # the published scheduler configs
 from zerotrain.families.sd3 import SD3_SCHEDULER
 from zerotrain.families.sdxl import SDXL_TIME_IDS, sdxl_time_ids
 from zerotrain.models.catalog import resolve_model

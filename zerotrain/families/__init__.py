@@ -13,7 +13,7 @@ import pkgutil
 from functools import cache
 
 from zerotrain.errors import ZerotrainError
-from zerotrain.protocols import Family, ModelSpec
+from zerotrain.protocols import Family, LatentCodec, ModelSpec
 
 __all__ = [
     "all_families",
@@ -22,8 +22,6 @@ __all__ = [
     "check_resolution",
     "example_inputs",
     "of",
-    "pixel_factor",
-    "supported_classes",
 ]
 
 
@@ -38,6 +36,7 @@ def all_families() -> tuple[Family, ...]:
         if family is None:
             continue
         missing = [member for member in _MEMBERS if not hasattr(family, member)]
+        missing += [f"codec.{member}" for member in _CODEC_MEMBERS if not hasattr(getattr(family, "codec", None), member)]
         if missing:
             raise TypeError(f"{__name__}.{module.name}.FAMILY lacks {', '.join(missing)} of zerotrain.protocols.Family")
         found.append(family)
@@ -46,6 +45,7 @@ def all_families() -> tuple[Family, ...]:
 
 # What a FAMILY must have: the protocol's attributes and methods.
 _MEMBERS = (*Family.__annotations__, *(name for name in vars(Family) if not name.startswith("_")))
+_CODEC_MEMBERS = (*LatentCodec.__annotations__, *(name for name in vars(LatentCodec) if not name.startswith("_")))
 
 
 def by_class(class_name: str) -> Family | None:
@@ -69,11 +69,6 @@ def of(spec: ModelSpec) -> Family:
         raise ZerotrainError(f"model.name_or_path='{spec.name}': {err}") from None
 
 
-def supported_classes() -> list[str]:
-    """Every denoiser class some family trains, families in order."""
-    return [name for family in all_families() for name in family.denoiser_classes]
-
-
 def check_resolution(spec: ModelSpec, resolution: int) -> None:
     """One line when data.resolution is not a multiple of the model's pixel factor."""
     factor = of(spec).pixel_factor(spec)
@@ -83,11 +78,6 @@ def check_resolution(spec: ModelSpec, resolution: int) -> None:
             f"data.resolution={resolution} is not a multiple of {factor} for {spec.name} "
             f"(VAE x{spec.vae_scale_factor} times the denoiser's patching); use {lower or upper} or {upper}"
         )
-
-
-def pixel_factor(spec: ModelSpec) -> int:
-    """Sides of a training image of this model must be multiples of this (Family.pixel_factor)."""
-    return of(spec).pixel_factor(spec)
 
 
 def example_inputs(spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int, device, dtype) -> dict:

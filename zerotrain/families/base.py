@@ -9,6 +9,10 @@ objective, the pipeline that renders validation images, the default LoRA targets
 and the tiny model for tests. The rest of zerotrain asks the family (`zerotrain.families.of(spec)`) and
 never tests its name.
 
+A family is composed of parts: what several families share lives once under zerotrain/families/parts/
+(the VAE codecs, FLUX.1's transformer, the key maps, the Qwen-VL text parts), and no family module imports
+another (tests/unit/test_layout.py).
+
 Family modules import nothing heavy at module level (torch and diffusers are imported inside the
 methods), so resolving a model and reading cached plan facts stays fast.
 """
@@ -21,28 +25,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.errors import ZerotrainError
-from zerotrain.protocols import VaeFacts
+from zerotrain.families.parts.latents import AUTOENCODER_KL
 
 if TYPE_CHECKING:
     import torch
 
-    from zerotrain.protocols import FlowObjective, ModelSpec
-
-# AutoencoderKL's defaults, used when a vae/config.json leaves a field out.
-AUTOENCODER_DEFAULTS = {"block_out_channels": [64], "latent_channels": 4, "scaling_factor": 0.18215}
-# Every published VAE of the supported families downsamples 8x (FLUX.1, SD3, SDXL, SD1.x); assumed
-# when only a denoiser config is given.
-PUBLISHED_VAE_SCALE_FACTOR = 8
-
+    from zerotrain.protocols import FlowObjective, LatentCodec, ModelSpec, VaeFacts
 
 class BaseFamily:
     """The shared defaults of zerotrain.protocols.Family. A subclass sets the class attributes without
-    defaults here and implements published_vae, encode_prompt, example_inputs, comfyui_lora and
-    tiny_components (and flow_inputs, for a flow-matching family)."""
+    defaults here, names its VAE part (codec, from zerotrain.families.parts.latents; an AutoencoderKL by
+    default) and implements encode_prompt, example_inputs, comfyui_lora and tiny_components (and flow_inputs,
+    for a flow-matching family; published_vae, where its codec has no one published VAE)."""
 
     name: ClassVar[str]
     denoiser_folder: ClassVar[str] = "transformer"
-    vae_class: ClassVar[str] = "AutoencoderKL"
+    codec: ClassVar[LatentCodec] = AUTOENCODER_KL
     text_outputs: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")
     pipeline: ClassVar[str]
     pipeline_extras: ClassVar[dict[str, Any]] = {}
@@ -65,14 +63,8 @@ class BaseFamily:
     def latent_channels(self, config: dict[str, Any], where: Path | str) -> int:
         return int(config.get("out_channels") or config.get("in_channels") or self.default_in_channels)
 
-    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
-        vae = {**AUTOENCODER_DEFAULTS, **vae_config}
-        return VaeFacts(
-            scale_factor=2 ** (len(vae["block_out_channels"]) - 1),
-            latent_channels=int(vae["latent_channels"]),
-            scaling_factor=vae["scaling_factor"],
-            shift_factor=vae.get("shift_factor"),
-        )
+    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
+        return self.codec.published(self.latent_channels(config, "config"))
 
     def patch(self, spec: ModelSpec) -> int:
         return int(spec.config.get("patch_size", 1))
@@ -136,21 +128,6 @@ class BaseFamily:
         if not isinstance(config, dict) or "_class_name" not in config:
             raise ZerotrainError(f"{path}: not a diffusers scheduler config (no _class_name)")
         return config
-
-    def vae_downsampling(self, vae: Any) -> int:
-        return 2 ** (len(vae.config.block_out_channels) - 1)
-
-    def vae_latent_channels(self, vae: Any) -> int:
-        return int(vae.config.latent_channels)
-
-    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
-        return vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
-
-    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
-        return scale_latents(latents, vae.config.scaling_factor, getattr(vae.config, "shift_factor", None))
-
-    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
-        return std * vae.config.scaling_factor
 
     def negative_embeds(self, folder: Path, negative_prompt: str, encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return encoded
@@ -279,6 +256,25 @@ def area_size(control: tuple[int, int], area: int, multiple: int) -> tuple[int, 
             max(multiple, int(height * scale) // multiple * multiple))
 
 
+def capped_size(control: tuple[int, int], area: int | None, multiple: int, cap: int) -> tuple[int, int]:
+    """(width, height) of a control image as Flux2Pipeline (and FLUX.3's image processor) size references: its
+    own size, each side floored to `multiple`, when at most cap x cap pixels and no `area` is given; otherwise
+    scaled to `area` (or `cap`) squared at its own aspect (area_size)."""
+    width, height = control
+    if area is None and width * height <= cap * cap:
+        return max(multiple, width // multiple * multiple), max(multiple, height // multiple * multiple)
+    return area_size(control, area or cap, multiple)
+
+
+def packed_channels(channels: int, where: Path | str, title: str, kind: str) -> int:
+    """The latent channels of a denoiser that packs each 2x2 patch of latents into one token of `channels`
+    (`kind`: its input or output channels): a quarter of them, one line where they are no multiple of 4."""
+    if channels % 4:
+        raise ZerotrainError(f"model.name_or_path: {where} has {channels} {kind} channels; {title} packs 2x2 latent "
+                             "patches, so it must be a multiple of 4")
+    return channels // 4
+
+
 def share_blocks(depths: dict[str, int], blocks: int) -> dict[str, int]:
     """`blocks` shared among the depths in proportion to them (largest remainders), at least one
     each where there are enough; depths unchanged when `blocks` is not fewer than their sum."""
@@ -291,16 +287,6 @@ def share_blocks(depths: dict[str, int], blocks: int) -> dict[str, int]:
     for key in sorted(exact, key=lambda k: exact[k] - out[k], reverse=True)[:max(0, blocks - sum(out.values()))]:
         out[key] += 1
     return out
-
-
-def scale_latents(latents: torch.Tensor, scaling_factor: float, shift_factor: float | None) -> torch.Tensor:
-    """VAE latents (B, C, h, w) into the denoiser's space: (z - shift) * scaling (Flux, SD3) or
-    z * scaling (SDXL, shift None). The pipelines undo it before decoding: z / scaling + shift."""
-    if latents.ndim != 4:
-        raise ValueError(f"scale_latents: expected latents (B, C, h, w), got shape {tuple(latents.shape)}")
-    if shift_factor is not None:
-        latents = latents - shift_factor
-    return latents * scaling_factor
 
 
 def text_and_pooled(batch: dict[str, torch.Tensor], b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,9 +3,9 @@ AutoencoderKL and T5's sequence with its attention mask, as ChromaPipeline uses 
 
 Chroma is FLUX.1-schnell with the per-block modulation Linears replaced by one small network
 (distilled_guidance_layer) that computes every block's modulation from the timestep alone, no CLIP,
-no guidance input, and a text attention mask. So the family is FLUX.1's (class Flux): the same VAE and
-latents, 2x2 packing, position ids, timestep = sigma, dynamic shift, flow target, 512 T5 tokens, LoRA
-targets and Black Forest Labs names. What differs:
+no guidance input, and a text attention mask. So the family is built on FLUX.1's transformer part
+(parts.flux1.Flux1Transformer): the same VAE and latents, 2x2 packing, position ids, timestep = sigma,
+dynamic shift, flow target, 512 T5 tokens, LoRA targets and Black Forest Labs names. What differs:
 
 - Text: ChromaPipeline.encode_prompt runs T5 with the tokenizer's attention mask and gives the
   transformer a mask over the caption's tokens, its </s> and one pad token. The cache keeps that
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import check_tokens, example_timestep, meta_or_random
-from zerotrain.families.flux import (
+from zerotrain.families.parts.flux1 import (
     FLUX_PATCH,
     FLUX_SCHEDULER,
     MAX_T5_TOKENS,
-    Flux,
+    Flux1Transformer,
     bfl_lora,
     bfl_module,
     flux_top_module,
@@ -122,7 +122,7 @@ def checkpointed(forward: Any, *args: Any, checkpoint_fn: Any = None, **kwargs: 
     return (checkpoint_fn or recompute.default_checkpoint)(call, *args, *kwargs.values())
 
 
-class Chroma(Flux):
+class Chroma(Flux1Transformer):
     name = "chroma"
     title = "Chroma"
     denoiser_classes = ("ChromaTransformer2DModel",)
@@ -239,7 +239,7 @@ class Chroma(Flux):
         diffusers folders were assembled from FLUX.1's components, and ai-toolkit trains Chroma with it."""
         from transformers import T5EncoderModel
 
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         t5 = tiny.t5_tokenizer()
         return tiny.diffusers_class("ChromaPipeline"), {

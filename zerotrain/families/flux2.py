@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
-    PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
-    area_size,
+    capped_size,
     check_tokens,
     example_timestep,
     meta_or_random,
     model_index,
     shift_from_mu,
 )
-from zerotrain.families.flux import FLUX_SCHEDULER, fuse_lora, swap_halves
-from zerotrain.models.tiny_parts import QWEN3_CHAT_TEMPLATE, QWEN3_PROMPT, QWEN3_THINK_TOKENS
-from zerotrain.protocols import VaeFacts
+from zerotrain.families.parts.flux1 import FLUX_SCHEDULER
+from zerotrain.families.parts.keymaps import fuse_lora, swap_halves
+from zerotrain.families.parts.latents import FLUX2_VAE
+from zerotrain.families.parts.tiny import QWEN3_CHAT_TEMPLATE, QWEN3_PROMPT, QWEN3_THINK_TOKENS
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -50,8 +50,6 @@ if TYPE_CHECKING:
 # convert_flux2_to_diffusers.py copies black-forest-labs/FLUX.1-dev's scheduler config into every FLUX.2
 # repo: dynamic shifting, whose calculate_shift parameters the FLUX.2 pipelines ignore (dynamic_shift).
 FLUX2_SCHEDULER = FLUX_SCHEDULER
-# Flux2Pipeline._patchify_latents folds 2x2 VAE cells into channels (AutoencoderKLFlux2's patch_size).
-VAE_PATCH = 2
 # The number of denoising steps Flux2Pipeline and Flux2KleinPipeline sample with by default: their mu
 # (compute_empirical_mu) depends on it, so training shifts as a default-settings render samples.
 PIPELINE_STEPS = 50
@@ -61,8 +59,6 @@ REFERENCE_AREA = 1024
 MAX_REFERENCES = 10
 # Flux2Transformer2DModel.__init__'s defaults (which are FLUX.2 [dev]'s config), for configs that omit them.
 DENOISER_DEFAULTS = {"in_channels": 128, "joint_attention_dim": 15360, "num_single_layers": 48, "guidance_embeds": True}
-# AutoencoderKLFlux2.__init__'s defaults (FLUX.2's published VAE), for a vae/config.json that omits them.
-VAE_DEFAULTS = {"block_out_channels": [128, 256, 512, 512], "latent_channels": 32, "patch_size": [2, 2]}
 # What Flux2Pipeline's chat template makes of a caption (Mistral Small 3.1's format: system prompt
 # first), and Flux2KleinPipeline's (Qwen3, one user turn, enable_thinking=False: an empty think block).
 DEV_PROMPT = "<s>[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT][INST]{{}}[/INST]"
@@ -134,16 +130,6 @@ def pipeline_for(config: dict[str, Any]) -> str:
     return "Flux2Pipeline" if guided else "Flux2KleinPipeline"
 
 
-def bn_moments(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE's batch-norm running mean and std (1, C, 1, 1) on like's device and dtype, as Flux2Pipeline
-    normalizes patchified latents with them: std = sqrt(running_var + batch_norm_eps)."""
-    import torch
-
-    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(like.device, like.dtype)
-    return mean, std
-
-
 def latent_ids(batch: int, height: int, width: int, device: torch.device | str) -> torch.Tensor:
     """Image position ids (batch, height * width, 4) int64 of (height, width) latents, by
     Flux2Pipeline._prepare_latent_ids (which reads only the latents' shape, so a meta tensor stands in)."""
@@ -196,7 +182,7 @@ class Flux2(BaseFamily):
     title = "FLUX.2"
     diffusers_lokr = True
     denoiser_classes = ("Flux2Transformer2DModel",)
-    vae_class = "AutoencoderKLFlux2"
+    codec = FLUX2_VAE
     pipeline = "Flux2Pipeline"
     text_components = (("tokenizer", "text_encoder"),)
     text_outputs = ("prompt_embeds",)
@@ -213,23 +199,6 @@ class Flux2(BaseFamily):
     default_in_channels = DENOISER_DEFAULTS["in_channels"]
 
     # --- the model and its latents -----------------------------------------------------------------
-
-    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
-        # AutoencoderKLFlux2 (every FLUX.2 repo's vae/): 8x down, 2x2 patchified, batch-norm normalized.
-        return VaeFacts(PUBLISHED_VAE_SCALE_FACTOR * VAE_PATCH, self.latent_channels(config, "config"), None, None)
-
-    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
-        """The patchified latent space of an AutoencoderKLFlux2 config: 2x2 cells folded into channels."""
-        vae = {**VAE_DEFAULTS, **vae_config}
-        patch = vae["patch_size"]
-        if list(patch) != [VAE_PATCH, VAE_PATCH]:
-            raise ZerotrainError(f"vae/config.json: patch_size {patch}; FLUX.2's pipelines patchify 2x2")
-        return VaeFacts(
-            scale_factor=2 ** (len(vae["block_out_channels"]) - 1) * VAE_PATCH,
-            latent_channels=int(vae["latent_channels"]) * VAE_PATCH * VAE_PATCH,
-            scaling_factor=None,
-            shift_factor=None,
-        )
 
     def pipeline_name(self, spec: ModelSpec) -> str:
         return pipeline_for(spec.config)
@@ -249,32 +218,6 @@ class Flux2(BaseFamily):
         check_tokens(text_tokens, 1, limit, f"the text encoder's positions for {self.title}")
         prompt_embeds, _ = pipeline.encode_prompt(captions, device=device, max_sequence_length=text_tokens)
         return {"prompt_embeds": prompt_embeds}
-
-    def vae_downsampling(self, vae: Any) -> int:
-        return 2 ** (len(vae.config.block_out_channels) - 1) * VAE_PATCH
-
-    def vae_latent_channels(self, vae: Any) -> int:
-        return int(vae.config.latent_channels) * VAE_PATCH * VAE_PATCH
-
-    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
-        """The patchified posterior mode as a point mass (std 0), see the module docstring."""
-        import torch
-        from diffusers import Flux2Pipeline
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-        mode = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode()
-        patched = Flux2Pipeline._patchify_latents(mode)
-        return DiagonalGaussianDistribution(torch.cat([patched, torch.zeros_like(patched)], dim=1), deterministic=True)
-
-    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
-        """(z - running_mean) / sqrt(running_var + eps) per channel of patchified latents (B, 4C, h, w)."""
-        if latents.ndim != 4 or latents.shape[1] != vae.bn.num_features:
-            raise ValueError(f"normalize_latents: expected (B, {vae.bn.num_features}, h, w) latents, got {tuple(latents.shape)}")
-        mean, std = bn_moments(vae, latents)
-        return (latents - mean) / std
-
-    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
-        return std / bn_moments(vae, std)[1]
 
     # --- training ----------------------------------------------------------------------------------
 
@@ -321,11 +264,7 @@ class Flux2(BaseFamily):
         """As Flux2Pipeline and Flux2KleinPipeline size each image: its own size, scaled down to 1024 x
         1024 pixels of area at its aspect when above that, each side floored to the VAE's 16 pixels;
         with `area`, scaled to that area instead."""
-        multiple = self.pixel_factor(spec)
-        width, height = control
-        if area is None and width * height <= REFERENCE_AREA * REFERENCE_AREA:
-            return max(multiple, width // multiple * multiple), max(multiple, height // multiple * multiple)
-        return area_size(control, area or REFERENCE_AREA, multiple)
+        return capped_size(control, area, self.pixel_factor(spec), REFERENCE_AREA)
 
     def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[Any]) -> dict[str, Any]:
         """Flux2Pipeline's: each reference's latents packed (_pack_latents) after the noisy tokens, in
@@ -442,7 +381,7 @@ class Flux2(BaseFamily):
         stacked per token): [dev] Mistral3ForConditionalGeneration (a Mistral text model and the smallest
         Pixtral vision tower, which encode_prompt never runs) with a byte-level BPE tokenizer carrying
         Mistral's chat template; [klein] Qwen3ForCausalLM with Qwen3's."""
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         pipeline_class = tiny.diffusers_class(pipeline_for(denoiser))
         out_layers = inspect.signature(pipeline_class.encode_prompt).parameters["text_encoder_out_layers"].default
@@ -476,7 +415,7 @@ def _tiny_mistral(hidden: int, layers: int) -> tuple[Any, Any]:
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from zerotrain.models import tiny_parts as tiny
+    from zerotrain.families.parts import tiny
 
     tokenizer = tiny.qwen2_tokenizer(DEV_PROMPT.format(system=SYSTEM_MESSAGE), MISTRAL_SPECIALS, MISTRAL_CHAT_TEMPLATE)
     tokenizer.add_special_tokens({"bos_token": "<s>"})
@@ -493,7 +432,7 @@ def _tiny_mistral(hidden: int, layers: int) -> tuple[Any, Any]:
 def _tiny_qwen3(hidden: int, layers: int) -> tuple[Any, Any]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from zerotrain.models import tiny_parts as tiny
+    from zerotrain.families.parts import tiny
 
     tokenizer = tiny.qwen2_tokenizer(KLEIN_PROMPT, (*tiny.QWEN_SPECIALS, *QWEN3_THINK_TOKENS), QWEN3_CHAT_TEMPLATE)
     config = Qwen3Config(**_tiny_text_config(tokenizer, hidden, layers), tie_word_embeddings=True)

@@ -44,15 +44,15 @@ from typing import TYPE_CHECKING, Any
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
     BaseFamily,
+    capped_size,
     caption_too_long,
     check_tokens,
     example_timestep,
     meta_or_random,
 )
-from zerotrain.families.flux import swap_halves
-from zerotrain.families.flux2 import FAMILY as FLUX2
+from zerotrain.families.parts.keymaps import swap_halves
+from zerotrain.families.parts.latents import FLUX2_VAE
 from zerotrain.families.parts.qwen_vl import text_processor
-from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
 # Black Forest Labs' FLUX.3 model card and the prompt upsampler: at most 10 reference images.
 MAX_REFERENCES = 10
+# Flux3ImageProcessor scales a reference of a multi-reference edit above this area (1024 x 1024 pixels) down to it.
+REFERENCE_AREA = 1024
 # Flux3Transformer2DModel.__init__'s defaults (the published Base config), for configs that omit them.
 DENOISER_DEFAULTS = {"in_channels": 128, "joint_attention_dim": 20480, "flow_map": False}
 # Diffusers module -> Black Forest Labs module, inverting convert_flux3_transformer_checkpoint_to_diffusers.
@@ -214,7 +216,7 @@ class Flux3(BaseFamily):
     name = "flux3"
     title = "FLUX.3 [klein]"
     denoiser_classes = ("Flux3Transformer2DModel",)
-    vae_class = "AutoencoderKLFlux2"
+    codec = FLUX2_VAE
     pipeline = "Flux3ModularPipeline"
     text_components = (("tokenizer", "text_encoder"),)
     text_outputs = ("prompt_embeds", "prompt_embeds_mask")
@@ -228,31 +230,6 @@ class Flux3(BaseFamily):
     default_guidance = 3.5
     classifier_free_guidance = True
     default_in_channels = DENOISER_DEFAULTS["in_channels"]
-
-    # --- the model and its latents: FLUX.2's VAE, patchified and normalized as FLUX.2's ---------------
-
-    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
-        return FLUX2.published_vae(config)
-
-    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
-        return FLUX2.vae_facts(vae_config)
-
-    def vae_downsampling(self, vae: Any) -> int:
-        return FLUX2.vae_downsampling(vae)
-
-    def vae_latent_channels(self, vae: Any) -> int:
-        return FLUX2.vae_latent_channels(vae)
-
-    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
-        """The patchified posterior mode as a point mass (std 0): Flux3VaeEncoderStep encodes references with
-        latent_dist.mode(), patchified as Flux2Pipeline does."""
-        return FLUX2.posterior(vae, pixels)
-
-    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
-        return FLUX2.normalize_latents(vae, latents)
-
-    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
-        return FLUX2.normalize_std(vae, std)
 
     def plan_only(self, spec: ModelSpec) -> str | None:
         if spec.config.get("flow_map", DENOISER_DEFAULTS["flow_map"]):
@@ -366,7 +343,7 @@ class Flux3(BaseFamily):
         1024 x 1024 pixels of area at its aspect when above that, each side floored to the 16-pixel token; with
         `area`, scaled to that area instead. (A single reference the blocks keep whole up to 4 megapixels,
         reflect-padded to the token grid; training crops it to the grid and sizes it as one of several.)"""
-        return FLUX2.reference_size(spec, target, control, area)
+        return capped_size(control, area, self.pixel_factor(spec), REFERENCE_AREA)
 
     def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[Any]) -> dict[str, Any]:
         """Flux3PrepareImageCondLatentsStep's: the references' tokens as one image_cond sequence, in order, with
@@ -394,7 +371,7 @@ class Flux3(BaseFamily):
         from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
 
         vae = components["vae"]
-        processor = Flux3ImageProcessor(vae_scale_factor=self.vae_downsampling(vae),
+        processor = Flux3ImageProcessor(vae_scale_factor=self.codec.vae_downsampling(vae),
                                         vae_latent_channels=int(vae.config.latent_channels))
         distilled = not self.takes_negative(spec, folder)
         pipeline = modular(distilled, text=False, vae=vae, transformer=components[self.denoiser_folder],
@@ -449,14 +426,12 @@ class Flux3(BaseFamily):
         built into the modular pipeline, whose save_pretrained writes the folder (modular_model_index.json)."""
         from transformers import Qwen3VLForConditionalGeneration
 
-        from zerotrain.families.ideogram4 import QWEN3_VL_TEXT_TEMPLATE
-        from zerotrain.families.krea2 import qwen3_vl_config
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         layers = settings()["out_layers"]
         width = int(denoiser["joint_attention_dim"]) // len(layers)
         tiny.check_room(width * len(layers) == int(denoiser["joint_attention_dim"]), "tiny-flux3", denoiser)
-        tokenizer = tiny.qwen2_tokenizer(tiny.QWEN3_PROMPT, tiny.QWEN_SPECIALS, QWEN3_VL_TEXT_TEMPLATE)
+        tokenizer = tiny.qwen2_tokenizer(tiny.QWEN3_PROMPT, tiny.QWEN_SPECIALS, tiny.QWEN3_VL_TEXT_TEMPLATE)
         distilled = bool(denoiser.get("flow_map", False))
 
         def build(**components: Any) -> Any:
@@ -464,7 +439,7 @@ class Flux3(BaseFamily):
 
         return build, {
             "text_encoder": tiny.seeded("text_encoder", Qwen3VLForConditionalGeneration,
-                                        qwen3_vl_config(tokenizer, width, max(layers))),
+                                        tiny.qwen3_vl_config(tokenizer, width, max(layers))),
             "tokenizer": tokenizer,
             "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config, denoiser),
         }

@@ -50,10 +50,8 @@ from zerotrain.families.base import (
     meta_or_random,
     trim_rows,
 )
-from zerotrain.families.flux import fuse_lora
-from zerotrain.families.flux2 import FAMILY as FLUX2
-from zerotrain.families.krea2 import qwen3_vl_config
-from zerotrain.protocols import VaeFacts
+from zerotrain.families.parts.keymaps import fuse_lora
+from zerotrain.families.parts.latents import Flux2Codec
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -98,14 +96,20 @@ def comfyui_model_to_diffusers(weights: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fold(latents: torch.Tensor) -> torch.Tensor:
-    """VAE latents (B, C, h, w) as the transformer's grid (B, 4C, h/2, w/2): each 2x2 cell's values in
-    (row, column, channel) order, channel fastest, as Ideogram4Pipeline unfolds them before decoding."""
-    b, c, h, w = latents.shape
-    if h % VAE_PATCH or w % VAE_PATCH:
-        raise ValueError(f"fold: latents {h}x{w} are not a multiple of {VAE_PATCH}")
-    cells = latents.reshape(b, c, h // VAE_PATCH, VAE_PATCH, w // VAE_PATCH, VAE_PATCH)
-    return cells.permute(0, 3, 5, 1, 2, 4).reshape(b, c * VAE_PATCH * VAE_PATCH, h // VAE_PATCH, w // VAE_PATCH)
+class Ideogram4Codec(Flux2Codec):
+    """FLUX.2's VAE and batch norm, each 2x2 cell folded in Ideogram's order (not Flux2Pipeline's)."""
+
+    def fold(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents (B, C, h, w) as the transformer's grid (B, 4C, h/2, w/2): each 2x2 cell's values in
+        (row, column, channel) order, channel fastest, as Ideogram4Pipeline unfolds them before decoding."""
+        b, c, h, w = latents.shape
+        if h % VAE_PATCH or w % VAE_PATCH:
+            raise ValueError(f"fold: latents {h}x{w} are not a multiple of {VAE_PATCH}")
+        cells = latents.reshape(b, c, h // VAE_PATCH, VAE_PATCH, w // VAE_PATCH, VAE_PATCH)
+        return cells.permute(0, 3, 5, 1, 2, 4).reshape(b, c * VAE_PATCH * VAE_PATCH, h // VAE_PATCH, w // VAE_PATCH)
+
+
+IDEOGRAM4_VAE = Ideogram4Codec()
 
 
 def tokens(grid: torch.Tensor) -> torch.Tensor:
@@ -190,7 +194,7 @@ class Ideogram4(BaseFamily):
     name = "ideogram4"
     title = "Ideogram 4"
     denoiser_classes = ("Ideogram4Transformer2DModel",)
-    vae_class = "AutoencoderKLFlux2"
+    codec = IDEOGRAM4_VAE
     pipeline = "Ideogram4Pipeline"
     text_components = (("tokenizer", "text_encoder"),)
     text_outputs = ("prompt_embeds", "prompt_embeds_mask")
@@ -208,35 +212,6 @@ class Ideogram4(BaseFamily):
     default_in_channels = 128
     timestep_logit_std = LOGIT_STD
     joint_output = True
-
-    # --- the model and its latents: FLUX.2's VAE and batch norm, folded in Ideogram's order -----------
-
-    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
-        return FLUX2.published_vae(config)
-
-    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
-        return FLUX2.vae_facts(vae_config)
-
-    def vae_downsampling(self, vae: Any) -> int:
-        return FLUX2.vae_downsampling(vae)
-
-    def vae_latent_channels(self, vae: Any) -> int:
-        return FLUX2.vae_latent_channels(vae)
-
-    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
-        """The folded posterior mode as a point mass (std 0): the training script encodes with
-        latent_dist.mode(), as FLUX.2's do."""
-        import torch
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-        mode = fold(vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode())
-        return DiagonalGaussianDistribution(torch.cat([mode, torch.zeros_like(mode)], dim=1), deterministic=True)
-
-    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
-        return FLUX2.normalize_latents(vae, latents)
-
-    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
-        return FLUX2.normalize_std(vae, std)
 
     # --- conditioning ------------------------------------------------------------------------------
 
@@ -389,34 +364,21 @@ class Ideogram4(BaseFamily):
         from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS
         from transformers import Qwen3VLModel
 
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         taps = len(QWEN3_VL_ACTIVATION_LAYERS)
         width = int(denoiser["llm_features_dim"]) // taps
         tiny.check_room(width * taps == int(denoiser["llm_features_dim"]), "tiny-ideogram4", denoiser)
-        tokenizer = tiny.qwen2_tokenizer(tiny.QWEN3_PROMPT, tiny.QWEN_SPECIALS, QWEN3_VL_TEXT_TEMPLATE)
+        tokenizer = tiny.qwen2_tokenizer(tiny.QWEN3_PROMPT, tiny.QWEN_SPECIALS, tiny.QWEN3_VL_TEXT_TEMPLATE)
         build = tiny.diffusers_class(denoiser["_class_name"]).from_config
         return tiny.diffusers_class(self.pipeline), {
             "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(IDEOGRAM4_SCHEDULER),
             "text_encoder": tiny.seeded("text_encoder", Qwen3VLModel,
-                                        qwen3_vl_config(tokenizer, width, max(QWEN3_VL_ACTIVATION_LAYERS) + 1)),
+                                        tiny.qwen3_vl_config(tokenizer, width, max(QWEN3_VL_ACTIVATION_LAYERS) + 1)),
             "tokenizer": tokenizer,
             "transformer": tiny.seeded("transformer", build, denoiser),
             UNCONDITIONAL: tiny.seeded(UNCONDITIONAL, build, denoiser),
         }
 
-
-# Qwen3-VL's chat template cut to text turns: a message's content is a string or a list of parts, whose
-# text parts it renders (Ideogram4Pipeline sends a list); no default system prompt, as Qwen3-VL's.
-QWEN3_VL_TEXT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}{%- if 'text' in part %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 FAMILY = Ideogram4()

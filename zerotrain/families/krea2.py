@@ -37,18 +37,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.families.base import (
-    PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
     check_tokens,
     compact_rows,
     example_timestep,
     meta_or_random,
     model_index,
+    packed_channels,
     trim_rows,
 )
-from zerotrain.families.qwen_image import FAMILY as QWEN_IMAGE
-from zerotrain.families.qwen_image import QWEN_PATCH, pack_latents
-from zerotrain.protocols import VaeFacts
+from zerotrain.families.parts.latents import QWEN_IMAGE_VAE, QWEN_PATCH, qwen_pack_latents
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -57,7 +55,6 @@ if TYPE_CHECKING:
 
     from zerotrain.protocols import FlowObjective, ModelSpec
 
-_PACKING = QWEN_PATCH * QWEN_PATCH
 # Krea2Pipeline's suffix after the padding: "<|im_end|>\n<|im_start|>assistant\n".
 SUFFIX_TOKENS = 5
 # The published scheduler config (krea/Krea-2-Raw scheduler/scheduler_config.json as the pipeline's
@@ -120,7 +117,7 @@ class Krea2(BaseFamily):
     name = "krea2"
     title = "Krea 2"
     denoiser_classes = ("Krea2Transformer2DModel",)
-    vae_class = "AutoencoderKLQwenImage"
+    codec = QWEN_IMAGE_VAE
     pipeline = "Krea2Pipeline"
     text_components = (("tokenizer", "text_encoder"),)
     text_outputs = ("prompt_embeds", "prompt_embeds_mask")
@@ -139,14 +136,7 @@ class Krea2(BaseFamily):
                                                   "base_shift": 0.5, "max_shift": 1.15}
 
     def latent_channels(self, config: dict[str, Any], where: Any) -> int:
-        return QWEN_IMAGE.latent_channels(config, where)  # in_channels // 4; both default to 64
-
-    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
-        # krea/Krea-2-Raw vae: Qwen-Image's, 8x, 16 channels, normalized per channel.
-        return VaeFacts(PUBLISHED_VAE_SCALE_FACTOR, self.latent_channels(config, "config"), None, None)
-
-    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
-        return QWEN_IMAGE.vae_facts(vae_config)
+        return packed_channels(int(config.get("in_channels") or self.default_in_channels), where, self.title, "input")
 
     def patch(self, spec: ModelSpec) -> int:
         return QWEN_PATCH
@@ -163,23 +153,6 @@ class Krea2(BaseFamily):
         embeds, mask = pipeline.encode_prompt(list(captions), device=device, max_sequence_length=text_tokens)
         return compact_rows(embeds, mask, text_tokens)
 
-    # --- latents: Qwen-Image's VAE, as the training script encodes and normalizes ------------------
-
-    def vae_downsampling(self, vae: Any) -> int:
-        return QWEN_IMAGE.vae_downsampling(vae)
-
-    def vae_latent_channels(self, vae: Any) -> int:
-        return QWEN_IMAGE.vae_latent_channels(vae)
-
-    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
-        return QWEN_IMAGE.posterior(vae, pixels)
-
-    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
-        return QWEN_IMAGE.normalize_latents(vae, latents)
-
-    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
-        return QWEN_IMAGE.normalize_std(vae, std)
-
     # --- training ----------------------------------------------------------------------------------
 
     def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -192,7 +165,7 @@ class Krea2(BaseFamily):
         # Krea2Pipeline passes t / 1000 = sigma in the latents' dtype; no mask where no caption is padded
         # (the same result, and SDPA's unmasked kernels).
         return {
-            "hidden_states": pack_latents(x_t).to(dtype),
+            "hidden_states": qwen_pack_latents(x_t).to(dtype),
             "encoder_hidden_states": text.to(dtype),
             "timestep": sigma.to(dtype),
             "position_ids": position_ids(text.shape[1], h, w, x_t.device),
@@ -200,7 +173,7 @@ class Krea2(BaseFamily):
         }, self.target_layout(target)
 
     def target_layout(self, latents: Any) -> Any:
-        return pack_latents(latents)
+        return qwen_pack_latents(latents)
 
     def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
                        device: Any, dtype: Any) -> dict[str, Any]:
@@ -272,7 +245,7 @@ class Krea2(BaseFamily):
         suffix into 5, and the published scheduler."""
         from transformers import Qwen3VLModel
 
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         pipeline_class = tiny.diffusers_class("Krea2Pipeline")
         probe = pipeline_class(None, None, None, None, None)
@@ -280,40 +253,12 @@ class Krea2(BaseFamily):
         tiny.check_room(int(denoiser["num_text_layers"]) == len(_TINY_TAPS), "tiny-krea2", denoiser)
         return pipeline_class, {
             "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(KREA2_SCHEDULER),
-            "text_encoder": tiny.seeded("text_encoder", Qwen3VLModel, qwen3_vl_config(tokenizer, int(denoiser["text_hidden_dim"]))),
+            "text_encoder": tiny.seeded("text_encoder", Qwen3VLModel, tiny.qwen3_vl_config(tokenizer, int(denoiser["text_hidden_dim"]), _TINY_TEXT_LAYERS)),
             "tokenizer": tokenizer,
             "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config, denoiser),
             "text_encoder_select_layers": _TINY_TAPS,
             "is_distilled": False,
         }
-
-
-def qwen3_vl_config(tokenizer: Any, width: int, layers: int = _TINY_TEXT_LAYERS) -> Any:
-    """A narrow Qwen3-VL (2 heads, 1 key/value head): its interleaved multimodal RoPE sections split the
-    head's rotary half 2:1:1 as the published [24, 20, 20] of 64 roughly does."""
-    from transformers import Qwen3VLConfig
-
-    from zerotrain.models import tiny_parts as tiny
-
-    head = width // 2
-    rotary = head // 2
-    tiny.check_room(width % 4 == 0 and rotary >= 4, "a tiny Qwen3-VL", {"width": width})
-    temporal = rotary // 2
-    height = (rotary - temporal) // 2
-    return Qwen3VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer), "hidden_size": width, "intermediate_size": 2 * width,
-            "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": head,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
-                                "mrope_section": [temporal, height, rotary - temporal - height], "mrope_interleaved": True},
-            "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id,
-            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        },
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": width,
-                       "num_position_embeddings": 64, "deepstack_visual_indexes": []},
-        tie_word_embeddings=True,
-    )
 
 
 FAMILY = Krea2()

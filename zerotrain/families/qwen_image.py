@@ -34,17 +34,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
-    PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
     check_tokens,
     example_timestep,
     meta_or_random,
+    packed_channels,
     trim_rows,
 )
+from zerotrain.families.parts.latents import QWEN_IMAGE_VAE, QWEN_PATCH, qwen_pack_latents
 from zerotrain.families.parts.qwen_image_edit import EDIT_PIPELINES, PLUS
-from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -53,10 +52,6 @@ if TYPE_CHECKING:
 
     from zerotrain.protocols import FlowObjective, ModelSpec
 
-# QwenImagePipeline packs each 2x2 patch of latents into one token (_pack_latents): in_channels is 4 x
-# the VAE's z_dim (64 = 4 x 16), and the pipeline reads the latent channels as in_channels // 4.
-QWEN_PATCH = 2
-_PACKING = QWEN_PATCH * QWEN_PATCH
 # QwenImagePipeline.check_inputs refuses max_sequence_length above 1024 text tokens.
 MAX_TEXT_TOKENS = 1024
 # The published scheduler config (Qwen/Qwen-Image scheduler/scheduler_config.json).
@@ -76,8 +71,6 @@ QWEN_SCHEDULER = {
     "use_exponential_sigmas": False,
     "use_karras_sigmas": False,
 }
-# AutoencoderKLQwenImage's defaults (equal to Qwen/Qwen-Image vae/config.json), when a config omits them.
-_VAE_DEFAULTS = {"z_dim": 16, "temperal_downsample": [False, True, True]}
 # Denoiser config flags of Qwen-Image-Layered (its extra timestep condition and 3-D RoPE), whose
 # conditioning no pipeline zerotrain trains through produces. (Edit-2511's zero_cond_t is the Plus
 # pipeline's: the transformer itself modulates the reference tokens at t = 0.)
@@ -89,38 +82,17 @@ _TINY_TEXT_LAYERS = 2
 _TINY_TEXT_HEADS = 2
 
 
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, h/2 * w/2, 4C) by QwenImagePipeline._pack_latents: the image tokens."""
-    from diffusers import QwenImagePipeline
-
-    if latents.ndim != 4 or latents.shape[0] < 1:
-        raise ValueError(f"latents must be (B, C, h, w), got {tuple(latents.shape)}")
-    b, c, h, w = latents.shape
-    if h % QWEN_PATCH or w % QWEN_PATCH:
-        raise ValueError(f"pack_latents: latent height and width must be even, got {h}x{w}")
-    return QwenImagePipeline._pack_latents(latents, b, c, h, w)
-
-
 def image_shapes(batch: int, height: int, width: int) -> list[list[tuple[int, int, int]]]:
     """img_shapes for (height, width) latents as QwenImagePipeline passes them: one frame of
     h/2 x w/2 tokens per sample (the transformer's RoPE reads the first sample's, so a batch shares one size)."""
     return [[(1, height // QWEN_PATCH, width // QWEN_PATCH)]] * batch
 
 
-def _channel_view(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """Per-channel constants (C,) as (1, C, 1, 1) against latents (B, C, h, w)."""
-    import torch
-
-    if like.ndim != 4 or like.shape[1] != len(values):
-        raise ValueError(f"expected latents (B, {len(values)}, h, w), got {tuple(like.shape)}")
-    return torch.tensor(values, device=like.device, dtype=like.dtype).view(1, -1, 1, 1)
-
-
 class QwenImage(BaseFamily):
     name = "qwen_image"
     title = "Qwen-Image"
     denoiser_classes = ("QwenImageTransformer2DModel",)
-    vae_class = "AutoencoderKLQwenImage"
+    codec = QWEN_IMAGE_VAE
     pipeline = "QwenImagePipeline"
     text_components = (("tokenizer", "text_encoder"),)
     text_outputs = ("prompt_embeds", "prompt_embeds_mask")
@@ -139,23 +111,7 @@ class QwenImage(BaseFamily):
     shift_defaults: ClassVar[dict[str, float]] = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
 
     def latent_channels(self, config: dict[str, Any], where: Path | str) -> int:
-        channels = int(config.get("in_channels") or self.default_in_channels)
-        if channels % _PACKING:
-            raise ZerotrainError(
-                f"model.name_or_path: {where} has {channels} input channels; Qwen-Image packs 2x2 latent "
-                "patches, so it must be a multiple of 4"
-            )
-        return channels // _PACKING
-
-    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
-        # Qwen/Qwen-Image vae: 8x, 16 channels, normalized per channel (no single scaling or shift).
-        return VaeFacts(PUBLISHED_VAE_SCALE_FACTOR, self.latent_channels(config, "config"), None, None)
-
-    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
-        """An AutoencoderKLQwenImage config: z_dim channels; the pipeline's scale factor
-        2 ** len(temperal_downsample)."""
-        vae = {**_VAE_DEFAULTS, **vae_config}
-        return VaeFacts(2 ** len(vae["temperal_downsample"]), int(vae["z_dim"]), None, None)
+        return packed_channels(int(config.get("in_channels") or self.default_in_channels), where, self.title, "input")
 
     def patch(self, spec: ModelSpec) -> int:
         return QWEN_PATCH
@@ -205,7 +161,7 @@ class QwenImage(BaseFamily):
         import torch
 
         hidden = kwargs["hidden_states"]
-        packed = [pack_latents(latents).to(hidden.dtype) for latents in references]
+        packed = [qwen_pack_latents(latents).to(hidden.dtype) for latents in references]
         shapes = [[*sample, *[(1, r.shape[2] // QWEN_PATCH, r.shape[3] // QWEN_PATCH) for r in references]]
                   for sample in kwargs["img_shapes"]]
         return {**kwargs, "hidden_states": torch.cat([hidden, *packed], dim=1), "img_shapes": shapes}
@@ -287,32 +243,6 @@ class QwenImage(BaseFamily):
             "prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
         }
 
-    def vae_downsampling(self, vae: Any) -> int:
-        return 2 ** len(vae.config.temperal_downsample)
-
-    def vae_latent_channels(self, vae: Any) -> int:
-        return int(vae.config.z_dim)
-
-    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
-        """The posterior of one-frame videos (B, 3, 1, H, W), as the training script encodes images,
-        with the frame axis dropped: the same distribution and the same draws, over (B, C, h, w)."""
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-        parameters = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)).latent_dist.parameters
-        if parameters.ndim != 5 or parameters.shape[2] != 1:
-            raise AssertionError(f"AutoencoderKLQwenImage: expected (B, 2C, 1, h, w) moments, got {tuple(parameters.shape)}")
-        return DiagonalGaussianDistribution(parameters.squeeze(2))
-
-    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
-        """(z - latents_mean) * (1 / latents_std) per channel, as the training script writes it; the
-        pipeline decodes latents * latents_std + latents_mean."""
-        mean = _channel_view(vae.config.latents_mean, latents)
-        inverse_std = 1.0 / _channel_view(vae.config.latents_std, latents)
-        return (latents - mean) * inverse_std
-
-    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
-        return std * (1.0 / _channel_view(vae.config.latents_std, std))
-
     def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         b, _, h, w = x_t.shape
         text, mask = batch["prompt_embeds"], batch["prompt_embeds_mask"]
@@ -327,7 +257,7 @@ class QwenImage(BaseFamily):
         # QwenImagePipeline passes timestep / 1000 = sigma (the model scales it by 1000), no guidance, and
         # no mask when no caption is padded (as encode_prompt returns it), which lets SDPA use flash attention.
         return {
-            "hidden_states": pack_latents(x_t).to(dtype),
+            "hidden_states": qwen_pack_latents(x_t).to(dtype),
             "encoder_hidden_states": text.to(dtype),
             "encoder_hidden_states_mask": None if bool(valid.all()) else valid,
             "timestep": sigma,
@@ -335,7 +265,7 @@ class QwenImage(BaseFamily):
         }, self.target_layout(target)
 
     def target_layout(self, latents: Any) -> Any:
-        return pack_latents(latents)
+        return qwen_pack_latents(latents)
 
     def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
                        device: Any, dtype: Any) -> dict[str, Any]:
@@ -389,7 +319,7 @@ class QwenImage(BaseFamily):
         tokenizer that splits the pipeline's template as Qwen's does, so its 34-token prefix drops exactly."""
         from transformers import Qwen2_5_VLForConditionalGeneration
 
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         edit = bool(denoiser.get("zero_cond_t"))  # Edit-2511's: the Plus pipeline, its template and processor
         pipeline_class = tiny.diffusers_class(PLUS if edit else "QwenImagePipeline")
@@ -422,7 +352,7 @@ def _qwen25_vl_config(tokenizer: Any, denoiser: dict[str, Any]) -> Any:
     head's rotary half 1:1.5:1.5 as the published [16, 24, 24] of 64."""
     from transformers import Qwen2_5_VLConfig
 
-    from zerotrain.models import tiny_parts as tiny
+    from zerotrain.families.parts import tiny
 
     width = denoiser["joint_attention_dim"]
     rotary = width // _TINY_TEXT_HEADS // 2

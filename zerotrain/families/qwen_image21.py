@@ -55,9 +55,9 @@ from zerotrain.families.base import (
     model_index,
     trim_rows,
 )
-from zerotrain.families.flux import fuse_lora
+from zerotrain.families.parts.keymaps import fuse_lora
+from zerotrain.families.parts.latents import channel_view, one_frame
 from zerotrain.families.parts.qwen_vl import with_slots
-from zerotrain.families.qwen_image import _channel_view
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
@@ -166,11 +166,49 @@ def load_processor(folder: Path | str) -> Any:
     return load_text_processor(folder)
 
 
+class QwenImage21Codec:
+    """AutoencoderKLQwenImage21: a video VAE of RGBA frames, 16x down, z_dim channels, normalized per channel by the
+    config's latents_mean and latents_std."""
+
+    vae_class = "AutoencoderKLQwenImage21"
+
+    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
+        vae = {**_VAE_DEFAULTS, **vae_config}
+        return VaeFacts(2 ** (len(vae["dim_mult"]) - 1), int(vae["z_dim"]), None, None)
+
+    def published(self, latent_channels: int) -> VaeFacts:
+        return VaeFacts(VAE_SCALE, latent_channels, None, None)
+
+    def vae_downsampling(self, vae: Any) -> int:
+        return 2 ** (len(vae.config.dim_mult) - 1)
+
+    def vae_latent_channels(self, vae: Any) -> int:
+        return int(vae.config.z_dim)
+
+    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
+        """The posterior of opaque RGBA one-frame videos (B, 4, 1, H, W), the frame axis dropped."""
+        import torch
+
+        pixels = pixels.to(device=vae.device, dtype=vae.dtype)
+        rgba = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+        return one_frame(vae.encode(rgba.unsqueeze(2)).latent_dist.parameters, self.vae_class)
+
+    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        """(z - latents_mean) / latents_std per channel, as the pipeline encodes condition images."""
+        return (latents - channel_view(vae.config.latents_mean, latents)) / channel_view(vae.config.latents_std, latents)
+
+    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
+        return std / channel_view(vae.config.latents_std, std)
+
+
+QWEN_IMAGE21_VAE = QwenImage21Codec()
+
+
 class QwenImage21(BaseFamily):
     name = "qwen_image21"
     title = "Qwen-Image 2.1"
     denoiser_classes = ("QwenImage21Transformer2DModel",)
-    vae_class = "AutoencoderKLQwenImage21"
+    codec = QWEN_IMAGE21_VAE
     pipeline = "QwenImage21Pipeline"
     text_components = (("processor", "text_encoder"),)
     text_outputs = ("prompt_embeds", "prompt_embeds_mask")
@@ -190,13 +228,6 @@ class QwenImage21(BaseFamily):
 
     # --- the model and its latents -----------------------------------------------------------------
 
-    def published_vae(self, config: dict[str, Any]) -> VaeFacts:
-        return VaeFacts(VAE_SCALE, self.latent_channels(config, "config"), None, None)
-
-    def vae_facts(self, vae_config: dict[str, Any]) -> VaeFacts:
-        vae = {**_VAE_DEFAULTS, **vae_config}
-        return VaeFacts(2 ** (len(vae["dim_mult"]) - 1), int(vae["z_dim"]), None, None)
-
     def pixel_factor(self, spec: ModelSpec) -> int:
         """The VAE's 16 pixels a token times the 2x2 tokens of an image slot: 32, as the pipeline rounds sizes."""
         return spec.vae_scale_factor * SLOT
@@ -204,31 +235,6 @@ class QwenImage21(BaseFamily):
     def image_tokens(self, spec: ModelSpec, resolution: int) -> int:
         side = resolution // spec.vae_scale_factor
         return side * side
-
-    def vae_downsampling(self, vae: Any) -> int:
-        return 2 ** (len(vae.config.dim_mult) - 1)
-
-    def vae_latent_channels(self, vae: Any) -> int:
-        return int(vae.config.z_dim)
-
-    def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
-        """The posterior of opaque RGBA one-frame videos (B, 4, 1, H, W), the frame axis dropped."""
-        import torch
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-        pixels = pixels.to(device=vae.device, dtype=vae.dtype)
-        rgba = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
-        parameters = vae.encode(rgba.unsqueeze(2)).latent_dist.parameters
-        if parameters.ndim != 5 or parameters.shape[2] != 1:
-            raise AssertionError(f"AutoencoderKLQwenImage21: expected (B, 2C, 1, h, w) moments, got {tuple(parameters.shape)}")
-        return DiagonalGaussianDistribution(parameters.squeeze(2))
-
-    def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
-        """(z - latents_mean) / latents_std per channel, as the pipeline encodes condition images."""
-        return (latents - _channel_view(vae.config.latents_mean, latents)) / _channel_view(vae.config.latents_std, latents)
-
-    def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
-        return std / _channel_view(vae.config.latents_std, std)
 
     # --- loading -----------------------------------------------------------------------------------
 
@@ -441,16 +447,14 @@ class QwenImage21(BaseFamily):
         the processor without its video processor, and the scheduler the pipeline's fallbacks describe."""
         from transformers import Qwen3VLForConditionalGeneration
 
-        from zerotrain.families.ideogram4 import QWEN3_VL_TEXT_TEMPLATE
-        from zerotrain.families.krea2 import qwen3_vl_config
+        from zerotrain.families.parts import tiny
         from zerotrain.families.parts.qwen_vl import text_processor
-        from zerotrain.models import tiny_parts as tiny
 
         template = ("<|im_start|>system\nComprehend and analyze the provided prompt.<|im_end|>\n"
                     "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
-        tokenizer = tiny.qwen2_tokenizer(template, (*tiny.QWEN_SPECIALS, *VISION_TOKENS), QWEN3_VL_TEXT_TEMPLATE)
+        tokenizer = tiny.qwen2_tokenizer(template, (*tiny.QWEN_SPECIALS, *VISION_TOKENS), tiny.QWEN3_VL_TEXT_TEMPLATE)
         width = int(denoiser["context_in_dim"])
-        config = qwen3_vl_config(tokenizer, width, 2)
+        config = tiny.qwen3_vl_config(tokenizer, width, 2)
         # The vision tokens' ids in this tokenizer, which the model looks for to place the image's states.
         for name, token in zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
                                VISION_TOKENS, strict=True):

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.families.base import (
-    PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
     check_tokens,
     example_timestep,
@@ -14,7 +13,8 @@ from zerotrain.families.base import (
     meta_or_random,
     text_and_pooled,
 )
-from zerotrain.families.flux import MAX_T5_TOKENS
+from zerotrain.families.parts.flux1 import MAX_T5_TOKENS
+from zerotrain.families.parts.latents import PUBLISHED_VAE_SCALE_FACTOR
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class SD3(BaseFamily):
         pooled_projection_dim. Published: 768 + 1280 = 2048 padded to 4096; projections 768 + 1280."""
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         joint, pooled = denoiser["joint_attention_dim"], denoiser["pooled_projection_dim"]
         # Three quarters of T5's width, split 1:2 (published 768:1280), so the zero padding runs as in SD3.

@@ -8,7 +8,6 @@ import json
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.families.base import (
-    PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
     check_tokens,
     example_timestep,
@@ -16,6 +15,7 @@ from zerotrain.families.base import (
     meta_or_random,
     share_blocks,
 )
+from zerotrain.families.parts.latents import PUBLISHED_VAE_SCALE_FACTOR
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class UNet(BaseFamily):
         with 6 time ids of addition_time_embed_dim each."""
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         cross = denoiser["cross_attention_dim"]
         hidden_l = cross // 4

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from zerotrain.errors import ZerotrainError
 from zerotrain.families.base import (
-    PUBLISHED_VAE_SCALE_FACTOR,
     BaseFamily,
     example_timestep,
     kohya_lora,
     meta_or_random,
 )
+from zerotrain.families.parts.latents import PUBLISHED_VAE_SCALE_FACTOR
 from zerotrain.protocols import VaeFacts
 
 if TYPE_CHECKING:
@@ -248,7 +248,7 @@ class ZImage(BaseFamily):
         merges cover the chat template, and the base model's scheduler."""
         from transformers import Qwen3Config, Qwen3Model
 
-        from zerotrain.models import tiny_parts as tiny
+        from zerotrain.families.parts import tiny
 
         hidden = denoiser["cap_feat_dim"]
         tiny.check_room(hidden % _TINY_QWEN3_HEADS == 0, "tiny-z-image", denoiser)

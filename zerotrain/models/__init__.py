@@ -1,6 +1,6 @@
 """Architectures zerotrain trains: the catalog of denoiser configs and model resolution (catalog), the
-conditioning models and their encoders (conditioning), and tiny models for tests (tiny, tiny_parts).
+conditioning models and their encoders (conditioning), and tiny models for tests (tiny).
 
-This __init__ imports nothing: the family modules build their tiny models from tiny_parts, below the
-catalog, which asks the families; importing one submodule must not import the others.
+This __init__ imports nothing: the catalog asks the families (which build their tiny models' parts from
+zerotrain.families.parts.tiny, below this package); importing one submodule must not import the others.
 """

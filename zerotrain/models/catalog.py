@@ -298,7 +298,7 @@ def _spec(
     if vae_path is None:
         vae = family.published_vae(config)
     else:
-        vae = family.vae_facts(_read_json(vae_path))
+        vae = family.codec.vae_facts(_read_json(vae_path))
         if vae.latent_channels != latent_channels:
             raise ZerotrainError(
                 f"{_FIELD}: {vae_path} has latent_channels {vae.latent_channels} but the denoiser "

@@ -165,7 +165,7 @@ def encode_latents(
     vae.encode(pixels).latent_dist.sample(), then scaled (and shifted). pixels: (B, 3, H, W) in [-1, 1];
     returns (B, latent_channels, H / f, W / f) in the VAE's dtype."""
     vae, posterior = _posterior(encoders, pixels)
-    return families.by_name(encoders.family).normalize_latents(vae, posterior.sample(generator))
+    return families.by_name(encoders.family).codec.normalize_latents(vae, posterior.sample(generator))
 
 
 def encode_latent_moments(encoders: Encoders, pixels: torch.Tensor) -> LatentMoments:
@@ -173,7 +173,7 @@ def encode_latent_moments(encoders: Encoders, pixels: torch.Tensor) -> LatentMom
     LatentMoments.sample gives what encode_latents gives for the same generator."""
     vae, posterior = _posterior(encoders, pixels)
     family = families.by_name(encoders.family)
-    return LatentMoments(mean=family.normalize_latents(vae, posterior.mean), std=family.normalize_std(vae, posterior.std))
+    return LatentMoments(mean=family.codec.normalize_latents(vae, posterior.mean), std=family.codec.normalize_std(vae, posterior.std))
 
 
 def encode_prompts(encoders: Encoders, captions: list[str], text_tokens: int,
@@ -235,7 +235,7 @@ def _posterior(encoders: Encoders, pixels: torch.Tensor) -> tuple[Any, Any]:
     if vae is None:
         raise ZerotrainError("encode_latents: these encoders were freed; load them again with load_encoders")
     family = families.by_name(encoders.family)
-    factor = family.vae_downsampling(vae)
+    factor = family.codec.vae_downsampling(vae)
     if pixels.ndim != 4 or pixels.shape[1] != 3:
         raise ValueError(f"encode_latents: expected pixels (B, 3, H, W), got {tuple(pixels.shape)}")
     batch, _, height, width = pixels.shape
@@ -249,8 +249,8 @@ def _posterior(encoders: Encoders, pixels: torch.Tensor) -> tuple[Any, Any]:
             f"encode_latents: pixels must lie in [-1, 1], got [{low.item():.3g}, {high.item():.3g}]"
         )
     with torch.no_grad():
-        posterior = family.posterior(vae, pixels)
-    expected = (batch, family.vae_latent_channels(vae), height // factor, width // factor)
+        posterior = family.codec.posterior(vae, pixels)
+    expected = (batch, family.codec.vae_latent_channels(vae), height // factor, width // factor)
     if tuple(posterior.mean.shape) != expected:
         raise AssertionError(
             f"encode_latents: expected latents {expected}, got {tuple(posterior.mean.shape)}"

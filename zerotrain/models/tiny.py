@@ -21,7 +21,7 @@ import torch
 
 from zerotrain import families
 from zerotrain.models.catalog import _catalog_entry, catalog_names, pipeline_index
-from zerotrain.models.tiny_parts import diffusers_class, seeded
+from zerotrain.families.parts.tiny import diffusers_class, seeded
 
 # The catalog's tiny models: every entry named tiny-*.
 TINY_NAMES = tuple(name for name in catalog_names() if name.startswith("tiny-"))

@@ -213,3 +213,44 @@ def qwen2_tokenizer(template: str = "", specials: tuple[str, ...] = QWEN_SPECIAL
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+# Qwen3-VL's chat template cut to text turns, for the tiny Qwen3-VL tokenizers (Krea 2, Ideogram 4, FLUX.3, Qwen-Image
+# 2.1): a message's content is a string or a list of parts, whose text parts it renders (Ideogram4Pipeline sends a
+# list); no default system prompt, as Qwen3-VL's.
+QWEN3_VL_TEXT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}{%- if 'text' in part %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def qwen3_vl_config(tokenizer: Any, width: int, layers: int) -> Any:
+    """A narrow Qwen3-VL of `layers` text layers (2 heads, 1 key/value head): its interleaved multimodal RoPE
+    sections split the head's rotary half 2:1:1 as the published [24, 20, 20] of 64 roughly does."""
+    from transformers import Qwen3VLConfig
+
+    head = width // 2
+    rotary = head // 2
+    check_room(width % 4 == 0 and rotary >= 4, "a tiny Qwen3-VL", {"width": width})
+    temporal = rotary // 2
+    height = (rotary - temporal) // 2
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": width, "intermediate_size": 2 * width,
+            "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": head,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                "mrope_section": [temporal, height, rotary - temporal - height], "mrope_interleaved": True},
+            "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        },
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": width,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": []},
+        tie_word_embeddings=True,
+    )
