@@ -418,8 +418,8 @@ class PlannerConfig(_Section):
     """Until `zerotrain calibrate` has measured this GPU profile, a layout that keeps blocks
     uncheckpointed must also leave this share of their traced activations free: without
     checkpointing, published peaks of other trainers measured up to 1/0.70 of the traced estimate
-    (README, "Honest margins"). A calibration replaces it with the measured value; 0 trusts the
-    trace."""
+    (docs/planning.md, "Honest margins until calibrated"). A calibration replaces it with the measured
+    value; 0 trusts the trace."""
     stages: list[Literal[0, 1, 2, 3]] = [0, 1, 2, 3]
     """ZeRO stages the search may choose from."""
     zeropp: list[Literal["none", "hpz", "hpz-qwz-qgz"]] = ["none", "hpz"]

@@ -59,7 +59,7 @@ PRESETS: dict[str, list[str]] = {
     "flux2-dev-lora-2ref-1xH100-80GB.json": [
         "--model", "flux2-dev", "--resolution", "1024", "--references", "2", "--gpus", "1xH100-80GB",
         "--mode", "lora", "--global-batch", "4"],
-    # Qwen-Image-Edit-2511 (plan only until its processor's torchvision is installed: the README says why).
+    # Qwen-Image-Edit-2511 (plan only until its processor's torchvision is installed: docs/edit-training.md says why).
     "qwen-image-edit-2511-lora-1ref-1xRTX4090-24GB.json": [
         "--model", "qwen-image-edit-2511", "--resolution", "1024", "--references", "1", "--gpus", "1xRTX4090-24GB",
         "--mode", "lora", "--global-batch", "4"],
