@@ -49,17 +49,17 @@ from typing import TYPE_CHECKING, Any
 from zerotrain import families
 from zerotrain.config.flags import add_plan_flags, config_from_args
 from zerotrain.config.sections import Loading, RunConfig
-from zerotrain.errors import ZerotrainError
+from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.planner import calibration
 from zerotrain.planner.memory import Layout
 from zerotrain.planner.search import Candidate, Plan, activations, describe, evaluate, uncheckpointed_bytes
+from zerotrain.units import gib
 
 if TYPE_CHECKING:  # torch loads only when calibrate runs: `zerotrain plan` imports this module's parser
     import torch
 
     from zerotrain.distributed import Topology
 
-GIB = 2**30
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -299,7 +299,7 @@ def one_step(engine, feed, accumulation: int, laps) -> str | None:
     try:
         train_step(engine, feed, accumulation, laps)
     except torch.OutOfMemoryError as err:
-        return " ".join(str(err).split())[:200]
+        return one_line(err, 200)
     return None
 
 
@@ -494,9 +494,8 @@ def prediction(candidate: Candidate, hw, on_gpu: bool, facts) -> dict[str, Any]:
 
 
 def size(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+    """A measured or predicted figure of the table: hundredths of a GiB, MiB below 0.1 GiB."""
+    return gib(n, units=("GiB", "MiB"), switch=0.1, digits=2)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -746,7 +745,7 @@ def worker(job_file: Path) -> int:
             result["host_to_device_bandwidth"] = host_to_device_bandwidth(device)
         except torch.OutOfMemoryError as err:
             # Written before leaving: the exit code makes torchrun stop any rank still waiting.
-            write_json(result_file, {"oom": " ".join(str(err).split())[:200]})
+            write_json(result_file, {"oom": one_line(err, 200)})
             os._exit(OOM_EXIT)
         except BaseException:  # noqa: BLE001 (anything, SystemExit included: printed, then the process ends)
             traceback.print_exc(file=sys.__stderr__)

@@ -49,6 +49,7 @@ from zerotrain import deepspeed_compat
 from zerotrain.distributed import Topology, accelerator, all_ok, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
 from zerotrain.optimizers import CLIENT_OPTIMIZERS, name_of
+from zerotrain.units import gib
 
 LATEST = "latest"
 STATE = "zerotrain_state.json"
@@ -314,9 +315,8 @@ def _abandon(folder: Path, root: Path, topo: Topology, error: BaseException | No
     previous = f"{root / latest.read_text().strip()} is still the latest checkpoint" if latest.is_file() \
         else "no earlier checkpoint exists"
     free = shutil.disk_usage(root).free if root.exists() else 0
-    free_text = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
     raise ZerotrainError(f"checkpoint {folder} could not be written ({reasons[0] if reasons else 'unknown error'}; "
-                         f"{free_text} free there); {previous}; free space, then resume with the same "
+                         f"{gib(free, units=('GiB', 'MiB'))} free there); {previous}; free space, then resume with the same "
                          "command (training.resume: auto)")
 
 

@@ -71,7 +71,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zerotrain import versions
-from zerotrain.errors import ZerotrainError
+from zerotrain.errors import ZerotrainError, one_line
+from zerotrain.units import gib
 
 if TYPE_CHECKING:  # torch is imported where it is used: the planner reads the gate without it
     import torch
@@ -135,8 +136,8 @@ def initialize(sharing: Sharing, **kwargs: Any) -> tuple[Any, ...]:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if missed and rank == 0:
         total = sum(n for _, n in missed)
-        print(f"zerotrain: warning: DeepSpeed kept {total / 2**20:.1f} MiB per rank more than planned: "
-              + "; ".join(f"{what} not shared ({n / 2**20:.1f} MiB)" for what, n in missed), file=sys.stderr,
+        print(f"zerotrain: warning: DeepSpeed kept {gib(total, units=('MiB',))} per rank more than planned: "
+              + "; ".join(f"{what} not shared ({gib(n, units=('MiB',))})" for what, n in missed), file=sys.stderr,
               flush=True)
     return out
 
@@ -708,7 +709,7 @@ def build_ops(builders: tuple[str, ...] = TRAINING_OPS) -> list[OpBuild]:
             with contextlib.redirect_stdout(sys.stderr):
                 builder.load(verbose=False)
         except Exception as err:  # noqa: BLE001 - a compiler error: DeepSpeed raises whatever the build raised
-            out.append(OpBuild(builder.name, "failed", " ".join(str(err).split())[:300]))
+            out.append(OpBuild(builder.name, "failed", one_line(err, 300)))
             continue
         out.append(OpBuild(builder.name, "built", f"{time.perf_counter() - start:.0f} s"))
     return out

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from zerotrain.config import RunConfig
 from zerotrain.config.flags import add_plan_flags, config_from_args
-from zerotrain.errors import ZerotrainError
+from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.hardware import (
     Driver,
     GPUInfo,
@@ -46,11 +46,11 @@ from zerotrain.hardware import (
     parse_gpu_spec,
     visible_gpu_indices,
 )
+from zerotrain.units import GiB, MiB, gib
 
 Verdict = Literal["ok", "warn", "fail", "skip"]
 EXIT_CODES = {"ok": 0, "skip": 0, "warn": 1, "fail": 2}
 
-MiB, GiB, TiB = 2**20, 2**30, 2**40
 # The oldest versions pyproject.toml accepts.
 MIN_TORCH, MIN_DEEPSPEED = (2, 4), (0, 19)
 # /dev/shm per DataLoader worker and rank: each worker hands its prefetched batches (prefetch_factor
@@ -103,14 +103,8 @@ def exit_code(checks: list[Check]) -> int:
 
 
 def _size(n: float) -> str:
-    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
+    """A size in the largest unit it reaches, from KiB to TiB."""
+    return gib(n, units=("TiB", "GiB", "MiB", "KiB"))
 
 
 def _version_tuple(text: str | None) -> tuple[int, ...] | None:
@@ -643,7 +637,6 @@ def check_model(ctx: Context) -> Finding:
 
 @check("plan")
 def check_plan(ctx: Context) -> Finding:
-    from zerotrain.planner.search import gib
 
     plan = ctx.plan
     if isinstance(plan, Missing):
@@ -762,7 +755,7 @@ def _probe_write(folder: Path) -> str | None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".zerotrain-doctor-"):
             pass
     except OSError as err:
-        return _one_line(err)
+        return one_line(err)
     return None
 
 
@@ -873,7 +866,7 @@ def run_checks(run: RunConfig, *, config_path: Path | None = None, debug: bool =
         except Exception as err:  # a check must never stop the others
             if debug:
                 raise
-            finding = Finding("warn", f"the check itself failed: {type(err).__name__}: {_one_line(err)[:300]}",
+            finding = Finding("warn", f"the check itself failed: {type(err).__name__}: {one_line(err, 300)}",
                               "run `zerotrain --debug doctor ...` for the traceback, and report it")
         checks.append(Check(name, finding.verdict, finding.detail, finding.advice))
     return checks

@@ -51,7 +51,7 @@ import torch
 from zerotrain import families
 from zerotrain.adapters import ADAPTER, is_adapter, lora_pairs
 from zerotrain.config import Mode, RunConfig
-from zerotrain.errors import ZerotrainError
+from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.families.base import kohya_lora
 from zerotrain.models.catalog import resolve_model
 from zerotrain.protocols import ModelSpec
@@ -276,7 +276,7 @@ def _torch_load(path: Path) -> dict[str, Any]:
         with contextlib.redirect_stdout(sys.stderr):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as err:  # torch raises assorted types for a truncated or foreign file
-        raise ZerotrainError(f"{path}: cannot be read ({_one_line(err)}); the checkpoint is damaged") from err
+        raise ZerotrainError(f"{path}: cannot be read ({one_line(err)}); the checkpoint is damaged") from err
 
 
 def _zero_stage(states: dict[str, Any], path: Path) -> int:
@@ -306,7 +306,7 @@ def _zero_to_fp32(checkpoints: Path, tag: str, trainable_only: bool) -> Iterator
             )
         except (FileNotFoundError, ValueError, KeyError, NotImplementedError) as err:
             raise ZerotrainError(
-                f"{checkpoints / tag}: DeepSpeed cannot merge the ZeRO checkpoint ({_one_line(err)})"
+                f"{checkpoints / tag}: DeepSpeed cannot merge the ZeRO checkpoint ({one_line(err)})"
             ) from err
     return iter(state.items())
 
@@ -442,7 +442,7 @@ def _write_full(
         try:
             model.load_state_dict(weights, strict=True, assign=True)
         except RuntimeError as err:
-            raise ZerotrainError(f"the checkpoint does not load into {spec.class_name}: {_one_line(err)}") from err
+            raise ZerotrainError(f"the checkpoint does not load into {spec.class_name}: {one_line(err)}") from err
         leftover = [n for n, t in model.state_dict().items() if t.device.type == "meta"]
         if leftover:
             raise ZerotrainError(f"{spec.class_name}: {leftover[0]} has no weights after loading the checkpoint")
@@ -656,7 +656,3 @@ def comfyui_lora_state_dict(
         extra = sorted(set(layers) - {f"{m}.lora_{x}.weight" for m in pairs for x in "AB"})
         raise ZerotrainError(f"the ComfyUI export supports plain LoRA (lora_A/lora_B) only, found {extra[0]}")
     return families.of(spec).comfyui_lora(model, pairs, alpha)
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__

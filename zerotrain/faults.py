@@ -26,6 +26,8 @@ import sys
 import threading
 from typing import Any
 
+from zerotrain.units import gib
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -69,7 +71,7 @@ class StopSignal:
 def oom_advice(plan: Any, used: Any, headroom: float) -> str:
     """What to do after an out-of-memory error with the Candidate `used`: plan with a budget just
     below its prediction, i.e. a larger planner.headroom, and name what the planner then chooses."""
-    from zerotrain.planner.search import describe, gib
+    from zerotrain.planner.search import describe
 
     gpu_bytes = plan.gpu_budget_bytes / (1 - headroom)
     new_headroom = math.ceil((1 - (used.memory.device_total - 1) / gpu_bytes) * 10_000) / 10_000
@@ -116,7 +118,7 @@ class OomRecovery:
         from zerotrain import families, recompute
         from zerotrain.distributed import gather_objects
         from zerotrain.planner.ladder import checkpointed_count, config_fields, rungs, set_lines
-        from zerotrain.planner.search import describe, gib
+        from zerotrain.planner.search import describe
 
         planned, before, rung = self.planned, self.current, self.next[0]
         checkpointing = planned.result.checkpointed(rung.layout)

@@ -17,8 +17,7 @@ from typing import Any
 
 from zerotrain.config.sections import HardwareConfig, parse_bytes
 from zerotrain.errors import ZerotrainError
-
-MiB, GiB, TiB = 2**20, 2**30, 2**40
+from zerotrain.units import GiB, MiB, gib
 
 # PCIe 4.0 x16 is 32 GB/s per direction on paper; pinned-memory copies reach about 25 GB/s
 # (NVIDIA bandwidthTest on A100 and RTX 4090 hosts). Cards without NVLink also run their collectives
@@ -120,14 +119,8 @@ class HardwareFacts:
 
     def describe(self) -> str:
         nodes = f"{self.nodes} node" + ("s" if self.nodes > 1 else "")
-        return (
-            f"{self.gpus_per_node}x {self.gpu_name} ({_fmt(self.gpu_memory_bytes)} each), {nodes}, "
-            f"{_fmt(self.host_memory_bytes)} host RAM [{self.source}]"
-        )
-
-
-def _fmt(n: int) -> str:
-    return f"{n / TiB:.1f} TiB" if n >= TiB else f"{n / GiB:.1f} GiB"
+        gpu, host = (gib(n, units=("TiB", "GiB")) for n in (self.gpu_memory_bytes, self.host_memory_bytes))
+        return f"{self.gpus_per_node}x {self.gpu_name} ({gpu} each), {nodes}, {host} host RAM [{self.source}]"
 
 
 def _generic(name: str) -> GPUProfile:

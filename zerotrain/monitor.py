@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from zerotrain.distributed import Topology, gather_objects
+from zerotrain.units import GiB, gib
 
-GIB = 2**30
 SMOOTHING = 0.9  # weight of the old value in the smoothed loss and speed
 # A measured peak above the prediction by more than this share (or the plan's activation margin,
 # where larger) is worth a warning: the plan's headroom is all that is left.
@@ -70,9 +70,8 @@ def measured_peaks(device: torch.device) -> dict[str, Any]:
 
 
 def _gib(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+    """A memory figure of the run's lines: MiB below 0.1 GiB (a CPU run's few MiB stay readable)."""
+    return gib(n, units=("GiB", "MiB"), switch=0.1)
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
@@ -204,9 +203,9 @@ class Monitor:
             "perf/forward_backward_seconds": record["forward_backward_seconds"],
             "perf/optimizer_seconds": record["optimizer_seconds"], "perf/mfu": record["mfu"],
             "memory/peak_allocated_gib": None if record["peak_allocated_bytes"] is None
-            else record["peak_allocated_bytes"] / GIB,
+            else record["peak_allocated_bytes"] / GiB,
             "memory/peak_reserved_gib": None if record["peak_reserved_bytes"] is None
-            else record["peak_reserved_bytes"] / GIB,
+            else record["peak_reserved_bytes"] / GiB,
         }
         for name, value in scalars.items():
             if value is not None:

@@ -37,7 +37,7 @@ from zerotrain.distributed import (
     topology,
     use_device,
 )
-from zerotrain.errors import ZerotrainError
+from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.faults import OomRecovery
 from zerotrain.planner.entry import RunPlan, plan_for_run
 from zerotrain.protocols import ModelSpec
@@ -161,7 +161,7 @@ def lost_rank_error(err: BaseException, heartbeat: Heartbeat, run: RunConfig, to
     latest = find(run.output_dir, "auto")
     where = f"{latest} is the latest complete checkpoint" if latest else "no checkpoint was completed yet"
     what = heartbeat.describe() if lost else \
-        f"a collective failed ({' '.join(str(err).split())[:200]}) while every rank's heartbeat still moves"
+        f"a collective failed ({one_line(err, 200)}) while every rank's heartbeat still moves"
     return ZerotrainError(f"rank {topo.rank}: {what}; stopping; {where}: resume with the same command "
                           "(training.resume: auto)")
 

@@ -31,9 +31,10 @@ import torch
 from zerotrain import families
 from zerotrain.config.sections import FaultsConfig, RunConfig
 from zerotrain.distributed import Topology
-from zerotrain.errors import ZerotrainError
+from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.faults import StopSignal, oom_advice
 from zerotrain.monitor import Monitor, StepTimes, measured_peaks
+from zerotrain.units import gib
 
 if TYPE_CHECKING:
     from zerotrain.planner.entry import RunPlan
@@ -311,7 +312,7 @@ class Trainer:
         except StepOutOfMemory as err:
             if self.recovery is None or not self.recovery.allowed(counter.step + 1):
                 raise
-            failure, loss = " ".join(str(err).split())[:200], torch.tensor(float("nan"))
+            failure, loss = one_line(err, 200), torch.tensor(float("nan"))
         mean_loss, stopping, ran_out = agree(loss, bool(self.stop.received), self.topo, self.device, failure is not None)
         if ran_out:  # the failed step's tensors were released with the exception
             self.drop_step(micro_steps, failure)
@@ -458,7 +459,7 @@ def wandb_setup(planned: RunPlan) -> tuple | None:
 def run_loop(trainer: Trainer, planned: RunPlan, device: torch.device) -> bool:
     """trainer.fit, with an out-of-memory step turned into one line: what was predicted, what was
     measured, and what to change."""
-    from zerotrain.planner.search import describe, gib
+    from zerotrain.planner.search import describe
 
     run = planned.run
     try:
@@ -469,7 +470,7 @@ def run_loop(trainer: Trainer, planned: RunPlan, device: torch.device) -> bool:
             f"CUDA out of memory at step {trainer.counter.step + 1} with {describe(used.layout)}{moves(trainer)}: "
             f"the planner predicted {gib(used.memory.device_total)} per GPU, the peak measured on this rank was "
             f"{gib(measured['max_allocated'] or 0)} allocated, {gib(measured['max_reserved'] or 0)} reserved "
-            f"({' '.join(str(err).split())[:200]}). {oom_advice(planned.result, used, run.planner.headroom)}. "
+            f"({one_line(err, 200)}). {oom_advice(planned.result, used, run.planner.headroom)}. "
             "The last checkpoint is untouched") from err
     finally:
         trainer.stop.restore()

@@ -18,9 +18,9 @@ import torch
 from tests.unit.test_hardware import UUIDS, FakeNVML
 from zerotrain import doctor
 from zerotrain.config import load_config
-from zerotrain.hardware import GiB, MiB
 from zerotrain.models.catalog import resolve_model
 from zerotrain.planner.measure import measure_model
+from zerotrain.units import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-cpu.yaml"

@@ -12,16 +12,14 @@ from zerotrain.config.sections import HardwareConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import (
     PROFILES,
-    GiB,
     GPUInfo,
-    MiB,
-    TiB,
     detect_nvml_gpus,
     hardware_facts,
     host_memory_bytes,
     parse_gpu_spec,
     visible_gpu_indices,
 )
+from zerotrain.units import GiB, MiB, TiB
 
 UUIDS = ["GPU-8f3a0000-1111", "GPU-8f3b0000-2222", "GPU-c0ff0000-3333"]
 

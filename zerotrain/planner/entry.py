@@ -24,8 +24,9 @@ from zerotrain.planner.deepspeed_json import complete_given, deepspeed_config, g
 from zerotrain.planner.facts import ModelFacts
 from zerotrain.planner.measure import measure_model
 from zerotrain.planner.memory import Layout
-from zerotrain.planner.search import Candidate, Plan, describe, evaluate, gib, plan
+from zerotrain.planner.search import Candidate, Plan, describe, evaluate, plan
 from zerotrain.protocols import ModelSpec
+from zerotrain.units import gib
 
 # The header keys of a written config that are run-config training fields (cli --write-config).
 HEADER_TRAINING = ("gradient_checkpointing", "checkpoint_blocks", "activation_offload")

@@ -15,7 +15,6 @@ from zerotrain.planner.search import (
     Candidate,
     Plan,
     describe,
-    gib,
     plan,
     suggest_gpu_memory,
     suggest_gpus_per_node,
@@ -23,6 +22,7 @@ from zerotrain.planner.search import (
     suggest_more_gpus,
 )
 from zerotrain.protocols import ModelSpec
+from zerotrain.units import gib
 
 # Largest terms shown inline per candidate row.
 TOP_TERMS = 3

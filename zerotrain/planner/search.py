@@ -29,12 +29,7 @@ from zerotrain.planner.memory import (
     master_element,
     moment_bytes,
 )
-
-GiB = 2**30
-
-
-def gib(value: float) -> str:
-    return f"{value / GiB:.1f} GiB"
+from zerotrain.units import gib
 
 
 def count(value: int) -> str:
