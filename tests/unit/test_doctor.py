@@ -269,7 +269,7 @@ def test_memory_held_by_another_process_fails_naming_both_numbers(tmp_path, monk
     finding = run_one(doctor.check_gpu_memory, run)
     assert finding.verdict == "fail"
     assert "GPU 1" in finding.detail and "512.0 MiB free of 8.0 GiB" in finding.detail
-    assert f"needs {doctor._size(need)} per GPU" in finding.detail
+    assert f"needs {doctor.base._size(need)} per GPU" in finding.detail
     assert "nvidia-smi" in finding.advice
 
 
@@ -365,12 +365,12 @@ def test_output_disk_space_against_the_checkpoints(tmp_path, no_gpu, monkeypatch
 def test_host_ram_against_the_plan(tmp_path, no_gpu, monkeypatch):
     run = tiny_run(tmp_path)
     need = doctor.Context(run).plan.chosen.memory.host_per_node
-    monkeypatch.setattr(doctor, "host_memory_bytes", lambda: need // 2)
+    monkeypatch.setattr(doctor.host, "host_memory_bytes", lambda: need // 2)
     assert run_one(doctor.check_host_ram, run).verdict == "fail"
-    monkeypatch.setattr(doctor, "host_memory_bytes", lambda: need * 4)
-    monkeypatch.setattr(doctor, "available_host_memory", lambda: need // 2)
+    monkeypatch.setattr(doctor.host, "host_memory_bytes", lambda: need * 4)
+    monkeypatch.setattr(doctor.host, "available_host_memory", lambda: need // 2)
     assert run_one(doctor.check_host_ram, run).verdict == "warn"
-    monkeypatch.setattr(doctor, "available_host_memory", lambda: need * 2)
+    monkeypatch.setattr(doctor.host, "available_host_memory", lambda: need * 2)
     assert run_one(doctor.check_host_ram, run).verdict == "ok"
 
 
