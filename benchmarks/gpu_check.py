@@ -305,7 +305,7 @@ def prepare(setting: Setting, workdir: Path) -> int:
 def build_fused_adam() -> int:
     """DeepSpeed's FusedAdam for this node, as `zerotrain build-ops` builds it (the other ops are not
     needed here and would cost minutes)."""
-    from zerotrain.deepspeed_compat import build_ops
+    from zerotrain.ops import build_ops
 
     [op] = build_ops(("FusedAdamBuilder",))
     print(f"{op.name}: {op.status} ({op.detail})", flush=True)

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_build_ops() -> int:
     """One line per op (built, prebuilt, skipped with DeepSpeed's reason, failed); exit 2 when a build
     that this machine supports failed."""
-    from zerotrain.deepspeed_compat import build_ops
+    from zerotrain.ops import build_ops
 
     results = build_ops()
     for op in results:
