@@ -95,7 +95,7 @@ class OomRecovery:
     model in place. The move is printed in one line with the measured peak, appended to plan.json
     ("adjusted", which a resume keeps) and to memory.json, and the memory check measures the new
     layout. After faults.max_oom_retries moves, past the window, or with no rung left, the error
-    stands (train.run_loop turns it into one line naming the layout that needs a new engine)."""
+    stands (trainer.run_loop turns it into one line naming the layout that needs a new engine)."""
 
     def __init__(self, planned: Any, model: Any, start_step: int, device: Any, is_main: bool):
         from zerotrain.planner.ladder import rungs
