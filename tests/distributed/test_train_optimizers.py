@@ -22,11 +22,11 @@ WORKER = Path(__file__).with_name("optimizer_worker.py")
 OTHERS = ("adamw-bf16", "adamw-8bit", "adafactor")
 CASES = [f"{stage}:{optimizer}" for stage in (1, 2, 3) for optimizer in ("adamw", *OTHERS)]
 # adamw-bf16 offloaded at ZeRO-2: DeepSpeedCPUAdam with bf16 moments, stepping the bf16 master
-# that is also the upload copy (deepspeed_compat._share_upload_copies).
+# that is also the upload copy (deepspeed_compat.sharing._share_upload_copies).
 CASES.append("2:adamw-bf16:cpu")
 # adamw-bf16 at ZeRO-3 with the optimizer and the parameters offloaded, two micro-batches a step:
 # zerotrain steps the pinned bf16 partition as the master and the gradient partition as its
-# gradient (deepspeed_compat._zero3_shares_bf16_masters); DeepSpeed's own buffers beside it.
+# gradient (deepspeed_compat.sharing._zero3_shares_bf16_masters); DeepSpeed's own buffers beside it.
 CASES += ["3:adamw-bf16:cpu+param", "3:adamw-bf16:cpu+param:deepspeed"]
 
 

@@ -385,7 +385,7 @@ def test_regression_guard_flux_dev_full_fits_a_24gb_card_with_128gb_of_host():
     128 GB of host RAM. Only ZeRO-3 with the optimizer and the parameters on the host fits the
     GPU; with adamw-bf16 its host buffers are the pinned bf16 partition (which is the master), the
     pinned bf16 gradient partition (which is the master's gradient) and the bf16 moments, 8 bytes
-    per parameter (deepspeed_compat._zero3_shares_bf16_masters), where fp32 AdamW needs 18. The plan prints
+    per parameter (deepspeed_compat.sharing._zero3_shares_bf16_masters), where fp32 AdamW needs 18. The plan prints
     them."""
     from rich.console import Console
 

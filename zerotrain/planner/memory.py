@@ -452,14 +452,14 @@ def offload_buffers(layout: Layout, s: Sizes, b: Buffers) -> list[HostBuffer]:
     - ZeRO 1/2 (stage_1_and_2.py): the fp32 master partition (single_partition_of_fp32_groups)
       and its fp32 gradient, a bf16 copy of the partition for the upload after the step
       (param_buffer_of_bit16_for_cpu_offload_groups; with bf16 masters the master itself,
-      deepspeed_compat._share_upload_copies) and a bf16 gradient of the largest parameter
+      deepspeed_compat.sharing._share_upload_copies) and a bf16 gradient of the largest parameter
       (temp_grad_buffer_for_cpu_offload) are pinned; with gradient accumulation, ZeRO-2 pins a
       bf16 accumulator per parameter (accumulated_grads_in_cpu). DeepSpeedCPUAdam's moments are
       plain host tensors (cpu_adam.py: zeros_like).
     - ZeRO-3 (stage3.py): the fp32 master per sub-group is plain (a clone), its fp32 gradient
       pinned; the bf16 gradient partition (grad_partitions_flat_buffer) is pinned. With bf16
       masters the master's gradient is its range of that partition, and with the parameters
-      offloaded too the master is the bf16 partition (deepspeed_compat._zero3_shares_bf16_masters).
+      offloaded too the master is the bf16 partition (deepspeed_compat.sharing._zero3_shares_bf16_masters).
       With the
       parameters offloaded, the trainable bf16 partition is one pinned flat buffer per sub-group
       (param_groups_fp16_flat_cpu_memory) and each frozen parameter's partition is pinned on its own
