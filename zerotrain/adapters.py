@@ -2,7 +2,9 @@
 continuing from a LoRA file (training.lora.init_from).
 
 One function builds them, for the planner's trace on the meta device, for training and for the
-export's shapes (apply_lora), so what is planned is what trains and what is exported.
+export's shapes (apply_lora), so what is planned is what trains and what is exported. LoKr and LoHa
+layers on linear layers compute peft's product without building its full delta weight
+(zerotrain.adapter_forward), with peft's modules, parameters and names.
 
 init_from reads a LoRA in whatever key format the family's diffusers pipeline reads
 (`<Pipeline>.lora_state_dict`: diffusers and peft names, kohya's lora_down/lora_up/alpha, ComfyUI's
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zerotrain import families
+from zerotrain import adapter_forward, families
 from zerotrain.errors import ZerotrainError
 
 if TYPE_CHECKING:
@@ -52,11 +54,14 @@ def targets(spec: ModelSpec, run: RunConfig) -> list[str]:
 def measured(lora: LoraConfig) -> dict[str, Any]:
     """The settings that shape the adapter, for the planner's measurement key: rank, alpha, targets and
     dropout, and the adapter type, DoRA and LoKr's factor where not the defaults (so the keys of plain
-    LoRA runs, and the facts shipped for them, stay as they were)."""
+    LoRA runs, and the facts shipped for them, stay as they were); for LoKr and LoHa, which forward
+    runs (factored or peft's, whose full deltas are activations)."""
     out = lora.model_dump(mode="json", include={"rank", "alpha", "target_modules", "dropout"})
     defaults = type(lora)()
     out.update({field: getattr(lora, field) for field in ("type", "use_dora", "factor")
                 if getattr(lora, field) != getattr(defaults, field)})
+    if lora.type in ("lokr", "loha"):
+        out["forward"] = "peft" if adapter_forward.gate() else "factored"
     return out
 
 
@@ -85,6 +90,7 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, run: RunConfig) -> None:
     from peft import inject_adapter_in_model, set_peft_model_state_dict
 
     inject_adapter_in_model(peft_config(spec, run), model, adapter_name=ADAPTER)
+    adapter_forward.install(model)  # LoKr and LoHa without their full delta weights
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     source = run.training.lora.init_from
