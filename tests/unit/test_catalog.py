@@ -15,7 +15,7 @@ import torch
 
 from zerotrain.config import ModelConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.models.catalog import FAMILIES, catalog_names, is_plan_only, resolve_model
+from zerotrain.models.catalog import catalog_names, denoiser_families, is_plan_only, resolve_model
 from zerotrain.protocols import ModelSpec
 
 CATALOG_DIR = Path(__file__).resolve().parents[2] / "zerotrain" / "models" / "catalog"
@@ -142,17 +142,17 @@ def test_catalog_names_cover_every_architecture():
 def test_every_family_is_in_the_catalog_whatever_is_imported_first(first):
     """Once, importing zerotrain.families first left FLUX.2 out: flux2 imported models.tiny_parts, whose
     package __init__ imported the catalog, which listed the families while flux2 was half built."""
-    code = f"import {first}\nfrom zerotrain.models.catalog import FAMILIES\nprint(sorted(FAMILIES.values()))"
+    code = f"import {first}\nfrom zerotrain.models.catalog import denoiser_families\nprint(sorted(denoiser_families().values()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(sorted(FAMILIES.values()))
-    assert "flux2" in FAMILIES.values()
+    assert out.strip() == str(sorted(denoiser_families().values()))
+    assert "flux2" in denoiser_families().values()
 
 
 @pytest.mark.parametrize("name", sorted(PARAMETERS))
 def test_catalog_entry_builds_on_meta_with_published_parameter_count(name):
     spec = spec_of(name)
     assert spec.source == "catalog" and spec.name == name
-    assert spec.family == FAMILIES[spec.class_name] == FAMILIES[spec.config["_class_name"]]
+    assert spec.family == denoiser_families()[spec.class_name] == denoiser_families()[spec.config["_class_name"]]
     with torch.device("meta"):
         model = spec.denoiser_class().from_config(spec.config)
     assert type(model).__name__ == spec.class_name
@@ -313,7 +313,7 @@ def test_unsupported_class(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"_class_name": "PixArtTransformer2DModel"}))
     message = one_line_error(path, "PixArtTransformer2DModel")
-    assert all(name in message for name in FAMILIES)
+    assert all(name in message for name in denoiser_families())
 
 
 def test_missing_class_name(tmp_path):

@@ -19,7 +19,7 @@ from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import catalog_names, resolve_model
 from zerotrain.planner import trace
 from zerotrain.planner.facts import pack_facts, unpack_facts
-from zerotrain.planner.measure import SHIPPED_DIR, measure_model
+from zerotrain.planner.measure import SHIPPED_DIR, measure_model, shipped_facts, shipped_key
 
 # What should be shipped, as docs/how-the-planner-works.md promises it: every catalog model but the tiny test ones, at
 # 512, 768 and 1024 px, fully fine-tuned or LoRA (default settings) over each quantization of the base.
@@ -126,3 +126,38 @@ def test_a_first_plan_of_a_catalog_model_imports_no_torch(args, tmp_path):
     assert plan["plan"]["chosen"] or plan["plan"]["suggestions"]
     assert json.loads(done.stderr.splitlines()[-1]) == []
     assert not list(tmp_path.iterdir()), "nothing measured, nothing cached"
+
+
+@pytest.mark.parametrize("name", ["flux-dev", "qwen-image"])
+def test_a_fine_tunes_config_json_plans_from_its_base_models_shipped_facts_without_torch(name, tmp_path):
+    """A model outside the catalog with a catalog model's architecture (a fine-tune's transformer/config.json,
+    with the private keys diffusers writes) plans from that model's shipped facts: no trace, no torch, the
+    same plan; a changed architecture does not (its facts would be another model's)."""
+    config = {**resolve_model(ModelConfig(name_or_path=name)).config, "_diffusers_version": "0.99.0",
+              "_name_or_path": "someone/fine-tune"}
+    path = tmp_path / "fine-tune" / "transformer" / "config.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(config))
+    args = ["--gpus", "8xA100-80GB", "--mode", "lora"]
+    code = ("import contextlib, io, json, sys\n"
+            "from zerotrain.cli import main\n"
+            f"for model in ({name!r}, {str(path)!r}):\n"
+            "    out = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(out):\n"
+            f"        assert main(['plan', '--model', model, *{args!r}, '--json']) == 0\n"
+            "    print(json.dumps(json.loads(out.getvalue())))\n"
+            f"print(json.dumps(sorted(m for m in sys.modules if m.partition('.')[0] in {HEAVY!r})), file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    catalog, fine_tune = (json.loads(line) for line in done.stdout.splitlines())
+    assert fine_tune["model"]["facts_source"] == "shipped" and json.loads(done.stderr.splitlines()[-1]) == []
+    assert json.loads(json.dumps(fine_tune["plan"]).replace(str(path), name)) == catalog["plan"]
+    assert fine_tune["deepspeed_config"] == catalog["deepspeed_config"]
+    deeper = {**config, "num_layers": int(config["num_layers"]) + 1}
+    spec = resolve_model(ModelConfig(name_or_path=name))
+    run = RunConfig(model={"name_or_path": name}, training={"mode": "lora"})
+    tokens = families.of(spec).default_text_tokens
+    assert shipped_facts(dataclasses.replace(spec, source="config.json", config=config), shipped_key(spec, run, tokens))
+    changed = dataclasses.replace(spec, source="config.json", config=deeper)
+    assert shipped_facts(changed, shipped_key(changed, run, tokens)) is None

@@ -18,20 +18,30 @@ from zerotrain.config.sections import ModelConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.protocols import ModelSpec
 
-# Denoiser class -> family name, for every family in zerotrain/families/.
-FAMILIES = {class_name: family.name for family in families.all_families() for class_name in family.denoiser_classes}
-
 _CATALOG_DIR = Path(__file__).with_name("catalog")
 _FIELD = "model.name_or_path"
-_SUPPORTED = ", ".join(FAMILIES)
 # owner/name as the hub spells repo ids: one slash, no leading dot or dash.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # The files that describe a diffusers pipeline folder: a pipeline's model_index.json, or the
 # modular_model_index.json of a modular pipeline (FLUX.3's), which lists components as [library, class,
 # loading spec].
 PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
-# Where a diffusers pipeline folder keeps its denoiser, in order of preference.
-_DENOISER_SUBFOLDERS = tuple(dict.fromkeys(family.denoiser_folder for family in families.all_families()))
+
+
+@cache
+def denoiser_families() -> dict[str, str]:
+    """Denoiser class -> family name, for every family in zerotrain/families/ (asked when first needed, so
+    importing the catalog imports no family)."""
+    return {class_name: family.name for family in families.all_families() for class_name in family.denoiser_classes}
+
+
+def _supported() -> str:
+    return ", ".join(denoiser_families())
+
+
+def _denoiser_subfolders() -> tuple[str, ...]:
+    """Where a diffusers pipeline folder keeps its denoiser, in order of preference."""
+    return tuple(dict.fromkeys(family.denoiser_folder for family in families.all_families()))
 
 
 def is_plan_only(spec: ModelSpec) -> bool:
@@ -88,13 +98,18 @@ def _catalog_entry(name: str) -> dict[str, Any]:
     return json.loads((_CATALOG_DIR / f"{name}.json").read_text(encoding="utf-8"))
 
 
+def catalog_class(name: str) -> str:
+    """The denoiser class of a catalog model."""
+    return _catalog_entry(name)["denoiser"]["_class_name"]
+
+
 def _from_catalog(name: str) -> ModelSpec:
     entry = _catalog_entry(name)
     denoiser = json.loads(json.dumps(entry["denoiser"]))  # a private copy: callers may edit it
     vae = entry["vae"]
     return ModelSpec(
         name=name,
-        family=FAMILIES[denoiser["_class_name"]],
+        family=denoiser_families()[denoiser["_class_name"]],
         class_name=denoiser["_class_name"],
         config=denoiser,
         vae_scale_factor=vae["scale_factor"],
@@ -254,8 +269,8 @@ def _denoiser_component(index: dict[str, Any], where: Path | str) -> str:
         for key, value in index.items()
         if not key.startswith("_") and isinstance(value, list) and len(value) in (2, 3)
     }
-    found = [key for key, class_name in components.items() if class_name in FAMILIES]
-    for key in _DENOISER_SUBFOLDERS:
+    found = [key for key, class_name in components.items() if class_name in denoiser_families()]
+    for key in _denoiser_subfolders():
         if key in found:
             return key
     if len(found) == 1:
@@ -267,7 +282,7 @@ def _denoiser_component(index: dict[str, Any], where: Path | str) -> str:
         )
     raise ZerotrainError(
         f"{_FIELD}: {where} has no denoiser zerotrain supports among its components ({listed}); "
-        f"supported: {_SUPPORTED}, or set model.subfolder"
+        f"supported: {_supported()}, or set model.subfolder"
     )
 
 
@@ -288,10 +303,10 @@ def _spec(
             f"{_FIELD}: {denoiser_path} has no _class_name; it must be a diffusers model config.json, "
             "such as transformer/config.json or unet/config.json of a diffusers model folder"
         )
-    if class_name not in FAMILIES:
+    if class_name not in denoiser_families():
         raise ZerotrainError(
             f"{_FIELD}: {denoiser_path} has _class_name '{class_name}', which zerotrain does not "
-            f"support; supported: {_SUPPORTED}"
+            f"support; supported: {_supported()}"
         )
     family = families.by_class(class_name)
     latent_channels = family.latent_channels(config, denoiser_path)

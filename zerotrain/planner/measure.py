@@ -38,7 +38,7 @@ def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str,
     references = plan_references(spec, run)
     text_rows = families.of(spec).reference_text_rows(spec, references)
     return {
-        "version": FACTS_VERSION, "class": spec.class_name, "config": spec.config,
+        "version": FACTS_VERSION, "class": spec.class_name, "config": architecture(spec.config),
         "vae_scale_factor": spec.vae_scale_factor,
         "resolution": run.data.resolution, "text_tokens": text_tokens, "mode": run.training.mode.value,
         "quantize": run.training.quantize_base.value,
@@ -49,6 +49,13 @@ def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str,
         # the references' rows in the text (Qwen-Image-Edit), traced since these were
         **({"reference_text_rows": text_rows} if text_rows else {}),
     }
+
+
+def architecture(config: dict[str, Any]) -> dict[str, Any]:
+    """A denoiser config as far as it shapes the model: its _class_name and arguments, without the private
+    keys diffusers writes beside them (_diffusers_version, _name_or_path, ...), which from_config ignores.
+    So a fine-tune's config.json has its base model's key."""
+    return {key: value for key, value in config.items() if key == "_class_name" or not key.startswith("_")}
 
 
 def _digest(payload: dict[str, Any]) -> str:
@@ -80,9 +87,19 @@ def _shipped_file(name: str) -> dict[str, Any] | None:
 
 
 def shipped_facts(spec: ModelSpec, key: str) -> ModelFacts | None:
-    """The shipped facts of a catalog model for this key, if its file holds them."""
-    data = _shipped_file(spec.name) if spec.source == "catalog" else None
-    return unpack_facts(data, key) if data is not None else None
+    """The shipped facts for this key, if a file holds them: the catalog model's own, or, for a model outside
+    the catalog (a fine-tune's folder or config.json), those of a catalog model of the same denoiser class,
+    whose architecture the key names, so that only the same architecture finds them."""
+    from zerotrain.models.catalog import catalog_class, catalog_names
+
+    names = [spec.name] if spec.source == "catalog" else [
+        name for name in catalog_names() if catalog_class(name) == spec.class_name]
+    for name in names:
+        data = _shipped_file(name)
+        facts = unpack_facts(data, key) if data is not None else None
+        if facts is not None:
+            return facts
+    return None
 
 
 def measure_model(spec: ModelSpec, run: RunConfig, cache: bool = True) -> ModelFacts:
@@ -100,7 +117,7 @@ def measure_model(spec: ModelSpec, run: RunConfig, cache: bool = True) -> ModelF
             return dataclasses.replace(facts, model=spec.name, cached=True, source="cached")
     shipped = shipped_facts(spec, shipped_key(spec, run, text_tokens)) if cache else None
     if shipped is not None:
-        return dataclasses.replace(shipped, cached=True, source="shipped")
+        return dataclasses.replace(shipped, model=spec.name, cached=True, source="shipped")
     from zerotrain.planner.trace import measure
 
     facts = measure(spec, run, text_tokens)
