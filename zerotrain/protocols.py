@@ -1,6 +1,10 @@
 """The types every layer names, in a leaf module that imports nothing else of zerotrain: the resolved
-model (`ModelSpec`), the protocol every model family implements (`Family`, with `VaeFacts`), and what a
-family reads of the flow-matching objective (`FlowObjective`).
+model (`ModelSpec`), the protocol every model family implements (`Family`), and what a family reads of the
+flow-matching objective (`FlowObjective`).
+
+`Family` is composed of small protocols, one per part of a family: `DenoiserModel` (the model, its latents
+and tiny model), its VAE part `LatentCodec` (a component of its own, shared between families), `TextConditioning`,
+`Objective`, `References` (edit training), `Validation` and `KeyMaps` (export names).
 
 Layers point one way: zerotrain.families implements `Family` on top of this module, zerotrain.models
 resolves models into `ModelSpec`s by asking the families, and zerotrain.objectives drives a family's
@@ -9,6 +13,7 @@ resolves models into `ModelSpec`s by asking the families, and zerotrain.objectiv
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -135,68 +140,37 @@ class LatentCodec(Protocol):
         ...
 
 
-class Family(Protocol):
-    """One model family: everything that differs between model families. Each module of
-    zerotrain/families/ defines one as FAMILY (most subclass zerotrain.families.base.BaseFamily, which
-    holds the defaults most families share); the rest of zerotrain asks `zerotrain.families.of(spec)`
-    and never tests its name."""
+class DenoiserModel(Protocol):
+    """The model and its latents: the denoiser's classes and config, its VAE part (codec), its patching, its
+    blocks (what checkpointing and calibration see) and the tiny model for tests."""
 
     name: ClassVar[str]
     """Stored in caches, plan facts and export manifests; never compared outside families/."""
+
     title: ClassVar[str]
     """For people: FLUX.1, SD3, SDXL."""
+
     denoiser_classes: ClassVar[tuple[str, ...]]
     """The diffusers denoiser classes this family trains."""
+
     denoiser_folder: ClassVar[str]
     """The denoiser's subfolder in a diffusers model folder, and its pipeline component name."""
+
     codec: ClassVar[LatentCodec]
     """The VAE part (zerotrain.families.parts.latents): its class, facts, posterior and normalization."""
+
     pipeline: ClassVar[str]
     """The diffusers pipeline: its encode_prompt, its validation images, its LoRA file format."""
-    text_components: ClassVar[tuple[tuple[str, str], ...]]
-    """(tokenizer, text encoder) component names of the pipeline, in the pipeline's order."""
-    text_outputs: ClassVar[tuple[str, ...]]
-    """What encode_prompt returns per caption, as the cache stores it."""
-    default_text_tokens: ClassVar[int]
-    """Text sequence length the pipeline feeds the denoiser by default."""
-    lora_targets: ClassVar[tuple[str, ...]]
-    """Default LoRA target modules (peft semantics), as diffusers' training script chooses them."""
-    default_guidance: ClassVar[float]
-    """The pipeline __call__'s default guidance_scale."""
-    classifier_free_guidance: ClassVar[bool]
-    """Guidance is classifier-free (a negative prompt, two predictions per step) above 1."""
-    pipeline_extras: ClassVar[dict[str, Any]]
-    """Further pipeline constructor arguments when zerotrain builds one from components."""
+
     default_in_channels: ClassVar[int]
     """The denoiser class's own default in_channels, when a config leaves it out."""
-    shift_defaults: ClassVar[dict[str, float]]
-    """calculate_shift's parameters when the scheduler config omits them (dynamic-shift families)."""
+
     depth_keys: ClassVar[tuple[str, ...]]
     """Config keys that count the denoiser's repeated blocks (what `zerotrain calibrate --blocks`
     shortens)."""
-    objective: ClassVar[str]
-    """flow: rectified flow with the scheduler's shift, inputs laid out by flow_inputs; ddpm: noise
-    prediction with the scheduler's betas, for UNets (ddpm_time_ids says what conditions them)."""
-    timestep_logit_std: ClassVar[float]
-    """Flow: the logit-normal timestep distribution's standard deviation when objective.logit_std is
-    auto (the family's training script's; 1.0, the SD3 paper's, for most)."""
-    joint_output: ClassVar[bool]
-    """The denoiser's output covers its whole input sequence, text rows included, the target's tokens
-    first (flow_inputs lays them out so; last with target_last): only those are scored, as with references."""
-    target_last: ClassVar[bool]
-    """The target's tokens are the output's last rows (Qwen-Image 2.1's block-causal sequence puts the
-    target after the text and the references), not its first."""
-    text_reads_references: ClassVar[bool]
-    """The text encoder reads an edit sample's reference images with its caption (Qwen-Image 2.1's Qwen3-VL):
-    the cache encodes each such caption with its images (encode_prompt's images), keyed by them too."""
-    reference_text_outputs: ClassVar[tuple[str, ...]]
-    """What encode_prompt adds to text_outputs for a caption read with its images: image_pad_mask (where the
-    images' rows sat), and Qwen-Image-Edit's image_rows (the text encoder's rows of the images)."""
-    diffusers_lokr: ClassVar[bool]
-    """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2): the
-    diffusers export writes a LoKr or LoHa only for such a family."""
 
-    # --- the model and its latents -----------------------------------------------------------------
+    lora_targets: ClassVar[tuple[str, ...]]
+    """Default LoRA target modules (peft semantics), as diffusers' training script chooses them."""
 
     def latent_channels(self, config: dict[str, Any], where: Path | str) -> int:
         """Latent channels the denoiser predicts. out_channels, not in_channels: inpainting variants
@@ -250,7 +224,32 @@ class Family(Protocol):
         offload: recompute.OffloadingCheckpoint)."""
         ...
 
-    # --- conditioning ------------------------------------------------------------------------------
+    def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+        """The pipeline class and every component but the VAE for a tiny model of this family, the
+        denoiser built from `denoiser` (a catalog config) and text encoders as narrow as it expects."""
+        ...
+
+
+class TextConditioning(Protocol):
+    """How captions become conditioning: the pipeline's own text encoders and encode_prompt, what the cache
+    keeps of them."""
+
+    text_components: ClassVar[tuple[tuple[str, str], ...]]
+    """(tokenizer, text encoder) component names of the pipeline, in the pipeline's order."""
+
+    text_outputs: ClassVar[tuple[str, ...]]
+    """What encode_prompt returns per caption, as the cache stores it."""
+
+    default_text_tokens: ClassVar[int]
+    """Text sequence length the pipeline feeds the denoiser by default."""
+
+    text_reads_references: ClassVar[bool]
+    """The text encoder reads an edit sample's reference images with its caption (Qwen-Image 2.1's Qwen3-VL):
+    the cache encodes each such caption with its images (encode_prompt's images), keyed by them too."""
+
+    reference_text_outputs: ClassVar[tuple[str, ...]]
+    """What encode_prompt adds to text_outputs for a caption read with its images: image_pad_mask (where the
+    images' rows sat), and Qwen-Image-Edit's image_rows (the text encoder's rows of the images)."""
 
     def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: torch.dtype, skipped: dict[str, None]) -> Any:
         """The family's pipeline loaded from a model folder with its VAE, tokenizers and text encoders and
@@ -273,11 +272,6 @@ class Family(Protocol):
         whose encode_prompt is the reference: pipeline_class(**components) by default."""
         ...
 
-    def scheduler_config(self, folder: Path) -> dict[str, Any]:
-        """The scheduler config the pipeline samples with: the model folder's scheduler/scheduler_config.json
-        by default."""
-        ...
-
     def encode_prompt(
         self, pipeline: Any, captions: list[str], text_tokens: int, device: torch.device
     ) -> dict[str, torch.Tensor]:
@@ -291,7 +285,34 @@ class Family(Protocol):
         """The negative conditioning classifier-free guidance uses, given the encoded negative prompt."""
         ...
 
-    # --- training ----------------------------------------------------------------------------------
+
+class Objective(Protocol):
+    """The training objective's family side: the scheduler and its shift, the denoiser's forward arguments
+    (for training and for the planner's trace) and the layout of its prediction."""
+
+    objective: ClassVar[str]
+    """flow: rectified flow with the scheduler's shift, inputs laid out by flow_inputs; ddpm: noise
+    prediction with the scheduler's betas, for UNets (ddpm_time_ids says what conditions them)."""
+
+    timestep_logit_std: ClassVar[float]
+    """Flow: the logit-normal timestep distribution's standard deviation when objective.logit_std is
+    auto (the family's training script's; 1.0, the SD3 paper's, for most)."""
+
+    shift_defaults: ClassVar[dict[str, float]]
+    """calculate_shift's parameters when the scheduler config omits them (dynamic-shift families)."""
+
+    joint_output: ClassVar[bool]
+    """The denoiser's output covers its whole input sequence, text rows included, the target's tokens
+    first (flow_inputs lays them out so; last with target_last): only those are scored, as with references."""
+
+    target_last: ClassVar[bool]
+    """The target's tokens are the output's last rows (Qwen-Image 2.1's block-causal sequence puts the
+    target after the text and the references), not its first."""
+
+    def scheduler_config(self, folder: Path) -> dict[str, Any]:
+        """The scheduler config the pipeline samples with: the model folder's scheduler/scheduler_config.json
+        by default."""
+        ...
 
     def ddpm_time_ids(self, spec: ModelSpec) -> bool:
         """DDPM families: whether the UNet takes SDXL's pooled text and size/crop time ids."""
@@ -337,7 +358,9 @@ class Family(Protocol):
         them, for the planner's trace. Values are uninitialised on meta, random elsewhere."""
         ...
 
-    # --- references (edit training) ----------------------------------------------------------------
+
+class References(Protocol):
+    """Edit training: the condition images a model reads beside its target, and how."""
 
     def max_references(self, spec: ModelSpec) -> int:
         """How many reference (control) images this model's pipeline takes: 0 for a text-to-image
@@ -376,7 +399,18 @@ class Family(Protocol):
         are given and renders (width, height) = `size`."""
         ...
 
-    # --- validation images -------------------------------------------------------------------------
+
+class Validation(Protocol):
+    """Validation images: the pipeline that renders them from cached conditioning, and its guidance."""
+
+    default_guidance: ClassVar[float]
+    """The pipeline __call__'s default guidance_scale."""
+
+    classifier_free_guidance: ClassVar[bool]
+    """Guidance is classifier-free (a negative prompt, two predictions per step) above 1."""
+
+    pipeline_extras: ClassVar[dict[str, Any]]
+    """Further pipeline constructor arguments when zerotrain builds one from components."""
 
     def classifier_free(self, guidance_scale: float) -> bool:
         """Whether the pipeline runs classifier-free guidance (a negative prediction per step, from the
@@ -412,7 +446,13 @@ class Family(Protocol):
         """The pipeline __call__ arguments that carry the conditioning and guidance."""
         ...
 
-    # --- export ------------------------------------------------------------------------------------
+
+class KeyMaps(Protocol):
+    """Export: the names other tools read (ComfyUI's, Black Forest Labs', kohya's), for adapters and full models."""
+
+    diffusers_lokr: ClassVar[bool]
+    """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2): the
+    diffusers export writes a LoKr or LoHa only for such a family."""
 
     def comfyui_lora(
         self, model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float
@@ -441,9 +481,20 @@ class Family(Protocol):
         mark (Edit-2511's empty __index_timestep_zero__): none by default."""
         ...
 
-    # --- the tiny model ----------------------------------------------------------------------------
 
-    def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
-        """The pipeline class and every component but the VAE for a tiny model of this family, the
-        denoiser built from `denoiser` (a catalog config) and text encoders as narrow as it expects."""
-        ...
+class Family(DenoiserModel, TextConditioning, Objective, References, Validation, KeyMaps, Protocol):
+    """One model family: everything that differs between model families, in the parts above. Each module of
+    zerotrain/families/ defines one as FAMILY (most subclass zerotrain.families.base.BaseFamily, which
+    holds the defaults most families share, and compose the shared parts of zerotrain/families/parts/);
+    the rest of zerotrain asks `zerotrain.families.of(spec)` and never tests its name. The whole contract
+    (protocol_members(Family)) is checked when the families are found."""
+
+
+def protocol_members(protocol: type) -> tuple[str, ...]:
+    """Every attribute and method a protocol of this module asks for, its bases' included."""
+    names: dict[str, None] = {}
+    for cls in reversed(protocol.__mro__):
+        if cls.__module__ == __name__:
+            names.update(dict.fromkeys(inspect.get_annotations(cls)))
+            names.update(dict.fromkeys(n for n in vars(cls) if not n.startswith("_")))
+    return tuple(names)

@@ -13,12 +13,13 @@ import pkgutil
 from functools import cache
 
 from zerotrain.errors import ZerotrainError
-from zerotrain.protocols import Family, LatentCodec, ModelSpec
+from zerotrain.protocols import Family, LatentCodec, ModelSpec, protocol_members
 
 __all__ = [
     "all_families",
     "by_class",
     "by_name",
+    "check_family",
     "check_resolution",
     "example_inputs",
     "of",
@@ -35,17 +36,23 @@ def all_families() -> tuple[Family, ...]:
         family = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FAMILY", None)
         if family is None:
             continue
-        missing = [member for member in _MEMBERS if not hasattr(family, member)]
-        missing += [f"codec.{member}" for member in _CODEC_MEMBERS if not hasattr(getattr(family, "codec", None), member)]
-        if missing:
-            raise TypeError(f"{__name__}.{module.name}.FAMILY lacks {', '.join(missing)} of zerotrain.protocols.Family")
+        check_family(family, f"{__name__}.{module.name}.FAMILY")
         found.append(family)
     return tuple(found)
 
 
+def check_family(family: object, where: str) -> None:
+    """One line when `family` lacks a member of the whole contract: zerotrain.protocols.Family, its parts'
+    protocols included (what export and validation ask too), and its codec's LatentCodec."""
+    missing = [member for member in _MEMBERS if not hasattr(family, member)]
+    missing += [f"codec.{member}" for member in _CODEC_MEMBERS if not hasattr(getattr(family, "codec", None), member)]
+    if missing:
+        raise TypeError(f"{where} lacks {', '.join(missing)} of zerotrain.protocols.Family")
+
+
 # What a FAMILY must have: the protocol's attributes and methods.
-_MEMBERS = (*Family.__annotations__, *(name for name in vars(Family) if not name.startswith("_")))
-_CODEC_MEMBERS = (*LatentCodec.__annotations__, *(name for name in vars(LatentCodec) if not name.startswith("_")))
+_MEMBERS = protocol_members(Family)
+_CODEC_MEMBERS = protocol_members(LatentCodec)
 
 
 def by_class(class_name: str) -> Family | None:
