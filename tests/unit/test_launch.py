@@ -20,6 +20,7 @@ from zerotrain import launch
 from zerotrain.config import load_config
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import hardware_facts
+from zerotrain.launch import recipes
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "tiny-cpu.yaml"  # hardware.gpus: 1 with gpu_memory 8GiB (a bare count)
@@ -257,7 +258,7 @@ def test_run_sends_sigterm_to_the_ranks_not_the_launcher(tmp_path, monkeypatch):
     fake = tmp_path / "torchrun"
     fake.write_text(FAKE_LAUNCHER)
     fake.chmod(0o755)
-    monkeypatch.setattr(launch, "executable", lambda name: str(fake))
+    monkeypatch.setattr(recipes, "executable", lambda name: str(fake))  # where torchrun_recipe reads it
     environ = {"DS_ACCELERATOR": "cpu", "PATH": os.environ["PATH"], "MARK": str(tmp_path / "mark"),
                "STARTED": str(tmp_path / "started")}
 
