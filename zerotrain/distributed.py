@@ -2,7 +2,7 @@
 DeepSpeed launcher (RANK, WORLD_SIZE, LOCAL_RANK), or Slurm's srun (SLURM_PROCID, SLURM_NTASKS,
 SLURM_LOCALID), and the rendezvous a plain `python zerotrain/train.py` lacks. zerotrain's other
 modules ask this one: doctor compares its launcher view (local_world_size) with the GPUs, and
-launch.py writes these variables into the commands and scripts it generates for the launchers."""
+zerotrain/launch/ writes these variables into the commands and scripts it generates for the launchers."""
 
 from __future__ import annotations
 
