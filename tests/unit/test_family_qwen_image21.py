@@ -8,35 +8,29 @@ The tiny VAE downsamples 16x as the published one: 64 px are 4x4 latent tokens, 
 
 from __future__ import annotations
 
-import inspect
 import json
-import math
 
 import numpy as np
 import pytest
 import torch
 from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
-from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 from peft import LoraConfig, get_peft_model_state_dict
 from PIL import Image
-from safetensors.torch import save_file
 
 from tests.e2e.test_edit import BF16, SINGLE, edit_data, first_batch, picture, run_for
 from tests.unit.test_sampling import make_validator
-from tests.unit.tiny_family import bare_config, gen, plan_json, spec_of, tiny_fixtures
+from tests.unit.tiny_family import gen, spec_of, tiny_fixtures, tiny_pipeline
 from zerotrain.config import RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.data.prepare import prepare
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
-from zerotrain.families import example_inputs
-from zerotrain.families.qwen_image21 import FAMILY, QWEN21_SCHEDULER, load_processor, tokens
+from zerotrain.families.qwen_image21 import FAMILY, load_processor, tokens
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
-from zerotrain.objectives import flow_interpolate, flow_target, make_objective
+from zerotrain.objectives import flow_target, make_objective
 from zerotrain.planner.measure import measure_model
 
-# sum(p.numel() for p in model.parameters()) on the meta device (diffusers 0.42.1).
-PARAMETERS = {"qwen-image-2.1": 7_115_124_736, "tiny-qwen-image21": 43_360}
+# The catalog's parameter counts are test_families.py's (FAMILIES).
 CAPTIONS = ["a red chair", "An oil painting of mountains at sunset, warm light on the lake!"]
 TEXT_TOKENS = 40
 SIDE = 64
@@ -49,9 +43,7 @@ root, folder, _, encoders = tiny_fixtures("tiny-qwen-image21", "QwenImage21Pipel
 @pytest.fixture(scope="module")
 def pipeline(folder):
     """QwenImage21Pipeline from the tiny folder, its processor built without torchvision (load_processor)."""
-    pipe = QwenImage21Pipeline.from_pretrained(folder, processor=load_processor(folder))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return tiny_pipeline(folder, "QwenImage21Pipeline", processor=load_processor(folder))
 
 
 def cached_batch(encoders, n: int = 2) -> dict[str, torch.Tensor]:
@@ -66,47 +58,6 @@ def objective_of(folder, **config):
 
 
 # --- catalog and planning ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", sorted(PARAMETERS))
-def test_catalog_entry_builds_on_meta_with_the_published_count(name):
-    spec = spec_of(name)
-    assert (spec.family, spec.class_name) == ("qwen_image21", "QwenImage21Transformer2DModel")
-    with torch.device("meta"):
-        model = QwenImage21Transformer2DModel.from_config(spec.config)
-    assert sum(p.numel() for p in model.parameters()) == PARAMETERS[name]
-    # 16 px a latent token, 32 px an image slot (2x2 tokens): the pipeline rounds sizes to 32.
-    assert (spec.vae_scale_factor, FAMILY.pixel_factor(spec), FAMILY.image_tokens(spec, 1024)) == (16, 32, 4096)
-
-
-def test_the_published_config_is_the_class_defaults():
-    defaults = {k: list(p.default) if isinstance(p.default, tuple) else p.default
-                for k, p in inspect.signature(QwenImage21Transformer2DModel.__init__).parameters.items() if k != "self"}
-    assert {k: v for k, v in spec_of("qwen-image-2.1").config.items() if not k.startswith("_")} == defaults
-
-
-def test_plans_a_lora_at_1024_on_a_24gb_card_with_the_shipped_facts(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert plan_json(capsys, "qwen-image-2.1", "--resolution", "1024", "--gpus", "1xRTX4090-24GB",
-                     "--mode", "lora")["chosen"]["fits"] is True
-    run = RunConfig(model={"name_or_path": "qwen-image-2.1"}, training={"mode": "lora"}, data={"resolution": 1024})
-    facts = measure_model(spec_of("qwen-image-2.1"), run)
-    assert facts.cached and (facts.image_tokens, facts.text_tokens) == (4096, 512)
-
-
-def test_a_bare_published_config_json_traces_on_meta_and_lora_counts_the_attention(tmp_path, monkeypatch, capsys):
-    """The transformer builds its token layout from img_mask with nonzero and tolist: the planner's meta trace
-    keeps img_mask on the host (trace.HostMetadataMode) and traces forward and backward at full size."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = bare_config(tmp_path, spec_of("qwen-image-2.1").config)
-    assert plan_json(capsys, path, "--resolution", "1024", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
-    run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
-                    data={"resolution": 1024})
-    facts = measure_model(spec_of(path), run)
-    assert not facts.cached and facts.image_tokens == 4096
-    assert facts.trainable_params == 32 * 4 * 4 * (4096 + 4096)  # q, k, v, out per block
-    assert facts.no_checkpointing.saved_bytes > 8 * facts.checkpointing.saved_bytes > 0
-
 
 def test_an_edit_plans_with_its_images_slots_in_the_text_and_more_than_three_are_one_line(folder, tmp_path,
                                                                                        monkeypatch, capsys):
@@ -137,15 +88,7 @@ def test_tiny_folder_is_a_qwen_image21_pipeline_with_a_qwen3_vl_processor(folder
     assert pipeline.scheduler.config.use_dynamic_shifting
 
 
-def test_cached_captions_are_encode_prompts_rows_and_a_long_one_is_one_line(pipeline, encoders):
-    cached = encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)
-    embeds, mask, image_pad = pipeline.encode_prompt(CAPTIONS, device="cpu")
-    assert cached["prompt_embeds"].shape == (2, TEXT_TOKENS, 32) and not image_pad.any()
-    for i in range(2):
-        n = int(mask[i].sum())
-        assert cached["prompt_embeds_mask"][i].tolist() == [1] * n + [0] * (TEXT_TOKENS - n)
-        torch.testing.assert_close(cached["prompt_embeds"][i, :n], embeds[i, :n])
-        assert not cached["prompt_embeds"][i, n:].any()
+def test_a_caption_longer_than_text_tokens_is_one_line(encoders):
     with pytest.raises(ZerotrainError, match=r"the caption 'An oil painting.*' is \d+ tokens .* above "
                                              r"data.text_tokens=12 \(the pipeline does not truncate\)"):
         encode_prompts(encoders, CAPTIONS, 12)
@@ -200,39 +143,6 @@ def test_training_feeds_the_transformer_what_the_pipeline_does_and_scores_the_la
     pred = torch.randn(2, prepared.model_kwargs["img_mask"].shape[1] * 4, 4, generator=gen(3))
     torch.testing.assert_close(objective.loss(pred, prepared),
                                torch.nn.functional.mse_loss(pred[:, -GRID * GRID:], prepared.target))
-
-
-def test_the_shift_is_the_pipelines_mu_and_a_step_on_the_target_lands_on_the_flow(folder, encoders):
-    objective = objective_of(folder)
-    for count in (GRID * GRID, 4096):
-        mu = calculate_shift(count, 256, 4096, 0.5, 1.15)
-        assert objective.shift(count) == pytest.approx(math.exp(mu))
-    batch = cached_batch(encoders)
-    x0, noise = torch.randn(2, 4, GRID, GRID, generator=gen(2)), torch.randn(2, 4, GRID, GRID, generator=gen(3))
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN21_SCHEDULER)
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4), mu=calculate_shift(GRID * GRID, 256, 4096, 0.5, 1.15))
-    scheduler.set_begin_index(0)
-    for i, timestep in enumerate(scheduler.timesteps):
-        sigma = scheduler.sigmas[i].expand(2)
-        _, target = FAMILY.flow_inputs(objective, flow_interpolate(x0, noise, sigma), flow_target(x0, noise), sigma, batch)
-        torch.testing.assert_close(target, tokens(noise - x0))
-        stepped = scheduler.step(target, timestep, tokens(flow_interpolate(x0, noise, sigma)), return_dict=False)[0]
-        torch.testing.assert_close(stepped, tokens(flow_interpolate(x0, noise, scheduler.sigmas[i + 1].expand(2))))
-
-
-def test_the_planners_inputs_run_the_model_and_training_reaches_every_parameter(folder, encoders):
-    model = QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer")
-    with torch.no_grad():
-        out = model(**example_inputs(spec_of(folder), 2, SIDE, SIDE, 12, "cpu", torch.float32), return_dict=False)[0]
-    assert out.shape == (2, 12 + GRID * GRID, 4)
-    model.train()
-    objective = objective_of(folder)
-    prepared = objective.prepare(cached_batch(encoders), gen())
-    objective.loss(model(**prepared.model_kwargs, return_dict=False)[0], prepared).backward()
-    assert not [n for n, p in model.named_parameters() if p.grad is None]
-
 
 # --- edits: the caption read with its condition images -------------------------------------------------
 
@@ -402,16 +312,3 @@ def test_a_gate_alone_fuses_with_zero_up_rows(folder):
     assert float(comfy[f"{fused}.alpha"]) == 8.0 and update.shape[0] == 2 * gate.shape[0]
     torch.testing.assert_close(update[:gate.shape[0]], gate)
     assert not update[gate.shape[0]:].any()
-
-
-def test_the_full_comfyui_model_fuses_gate_and_up_and_diffusers_reads_it_back(folder, tmp_path):
-    model = QwenImage21Transformer2DModel.from_pretrained(folder, subfolder="transformer")
-    weights = dict(model.state_dict())
-    comfy = FAMILY.comfyui_model(weights)
-    assert "transformer_blocks.0.img_mlp.gate_up.weight" in comfy and "txt_in.text_norm.weight" in comfy
-    assert not any("gate_layer" in key or "img_mlp.proj" in key for key in comfy)
-    save_file({k: v.contiguous() for k, v in comfy.items()}, tmp_path / "qwen21.safetensors")
-    loaded = QwenImage21Transformer2DModel.from_single_file(str(tmp_path / "qwen21.safetensors"), config=str(folder),
-                                                            subfolder="transformer", torch_dtype=torch.float32)
-    for key, value in loaded.state_dict().items():
-        assert torch.equal(value, weights[key]), key

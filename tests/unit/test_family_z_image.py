@@ -9,30 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import json
 from pathlib import Path
 
 import huggingface_hub.constants
-import numpy as np
 import pytest
 import torch
 from diffusers import (
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
-    ZImagePipeline,
     ZImageTransformer2DModel,
 )
-from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 from PIL import Image
 
-from tests.unit.test_sampling import check_image, make_validator
-from tests.unit.tiny_family import bare_config, gen, plan_json, spec_of, tiny_fixtures
-from zerotrain.config import RunConfig
+from tests.unit.test_sampling import make_validator
+from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
 from zerotrain.families.parts.tiny import QWEN3_PROMPT
 from zerotrain.families.z_image import (
@@ -46,19 +40,13 @@ from zerotrain.families.z_image import (
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import (
-    flow_interpolate,
-    flow_target,
     make_objective,
     sample_flow_timesteps,
     shift_sigmas,
 )
 from zerotrain.planner import trace
-from zerotrain.planner.measure import measure_model
 
-# sum(p.numel() for p in model.parameters()) on the meta device (diffusers 0.42). The published count
-# is the class default's: axes_lens, the only published field that differs, sizes a RoPE table, not
-# parameters. Turbo is the same architecture.
-PARAMETERS = {"z-image": 6_154_908_736, "z-image-turbo": 6_154_908_736, "tiny-z-image": 364_176}
+# The catalog's parameter counts are test_families.py's (FAMILIES).
 CAPTIONS = ["a photo of a cat sitting on a red chair", "An oil painting of Mountains at sunset, unseen words!"]
 TEXT_TOKENS = 48
 SIDE = 64
@@ -81,55 +69,19 @@ def objective_of(folder, model_dtype: torch.dtype = torch.float32):
 
 # --- catalog and planning ----------------------------------------------------------------------------
 
-
-@pytest.mark.parametrize("name", sorted(PARAMETERS))
-def test_catalog_entry_builds_on_meta_with_the_published_count(name):
-    spec = spec_of(name)
-    assert (spec.family, spec.class_name, spec.latent_channels) == ("z_image", "ZImageTransformer2DModel", 16)
-    with torch.device("meta"):
-        model = spec.denoiser_class().from_config(spec.config)
-    assert sum(p.numel() for p in model.parameters()) == PARAMETERS[name]
-
-
 def test_published_configs_differ_from_the_class_only_in_axes_lens(tmp_path):
+    """That axes_lens alone differs from the class defaults is test_families.py's."""
     base, turbo = spec_of("z-image"), spec_of("z-image-turbo")
-    defaults = inspect.signature(ZImageTransformer2DModel.__init__).parameters
-    # The defaults as a config.json holds them (tuples become lists).
-    differ = {k for k, v in base.config.items() if not k.startswith("_") and v != json.loads(json.dumps(defaults[k].default))}
-    assert differ == {"axes_lens"} and base.config["axes_lens"] == [1536, 512, 512]
+    assert base.config["axes_lens"] == [1536, 512, 512]
     assert {k: v for k, v in turbo.config.items() if k != "_diffusers_version"} == \
         {k: v for k, v in base.config.items() if k != "_diffusers_version"}
     assert (base.pretrained, turbo.pretrained) == ("Tongyi-MAI/Z-Image", "Tongyi-MAI/Z-Image-Turbo")
     path = tmp_path / "config.json"  # a bare config.json: the family's published (FLUX.1) VAE
     path.write_text(json.dumps(base.config))
-    for spec in (base, spec_of(path)):
+    for spec in (base, spec_of(path)):  # the catalog entry's also in test_families.py
         assert (spec.vae_scale_factor, spec.latent_channels, spec.vae_scaling_factor, spec.vae_shift_factor) == \
             (8, 16, 0.3611, 0.1159)
     assert FAMILY.pixel_factor(base) == 16  # ZImagePipeline's height and width multiple
-
-
-def test_plans_at_1024_on_8_h100s_with_the_measured_facts(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert plan_json(capsys, "z-image", "--resolution", "1024", "--gpus", "8xH100-80GB")["chosen"]["fits"] is True
-    facts = measure_model(spec_of("z-image"), RunConfig(model={"name_or_path": "z-image"}, data={"resolution": 1024}))
-    assert facts.cached, "the plan's: shipped with zerotrain"
-    assert (facts.image_tokens, facts.text_tokens) == (4096, 512)  # (1024 / 16)^2; ZImagePipeline's 512
-    assert facts.total_params == facts.trainable_params == PARAMETERS["z-image"]
-
-
-def test_a_bare_config_json_plans_and_lora_counts_every_attention_projection(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = bare_config(tmp_path, spec_of("tiny-z-image").config)
-    assert plan_json(capsys, path, "--resolution", "256", "--gpus", "1xRTX4090-24GB", "--mode", "lora")["chosen"]["fits"] is True
-    run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
-                    data={"resolution": 256})
-    facts = measure_model(spec_of(path), run)
-    model = ZImageTransformer2DModel.from_config(spec_of(path).config)
-    adapted = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in {"to_q", "to_k", "to_v"}
-               or n.endswith(".to_out.0")]
-    assert len(adapted) == 4 * (2 + 1 + 1)  # layers, noise_refiner and context_refiner blocks
-    assert facts.trainable_params == sum(4 * (m.in_features + m.out_features) for m in adapted)
-
 
 def test_block_extrapolation_equals_a_full_trace():
     """Only `layers` repeats (3+ blocks); the refiners are traced whole every time. The model's first
@@ -206,18 +158,13 @@ def test_tiny_build_is_offline_deterministic_and_keeps_the_global_rng(folder, tm
     assert digest(again) == digest(folder)
 
 
-def test_cached_captions_are_the_pipelines_own_padded_with_a_mask(pipeline, encoders):
+def test_cached_captions_are_the_pipelines_own_as_caption_list_reads_them(pipeline, encoders):
+    """The rows, their padding and mask against encode_prompt are test_families.py's."""
     cached = encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)
-    assert list(cached) == ["prompt_embeds", "prompt_embeds_mask"]
-    assert cached["prompt_embeds"].shape == (2, TEXT_TOKENS, 16) and cached["prompt_embeds_mask"].shape == (2, TEXT_TOKENS)
-    own, negative = pipeline.encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False,
-                                           max_sequence_length=TEXT_TOKENS)
-    assert negative == [] and len({len(e) for e in own}) == 2, "the captions should differ in length"
+    own, _ = pipeline.encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False, max_sequence_length=TEXT_TOKENS)
     for mask in (cached["prompt_embeds_mask"], cached["prompt_embeds_mask"].bfloat16()):  # as the cache stores it
         restored = caption_list(cached["prompt_embeds"], mask, 2)
         assert all(torch.equal(a, b) for a, b in zip(restored, own, strict=True))
-    for i, caption in enumerate(own):
-        assert not cached["prompt_embeds"][i, len(caption):].any()
 
 
 def test_cached_latents_are_the_vaes_shifted_and_scaled(pipeline, encoders):
@@ -247,41 +194,19 @@ def test_caption_masks_must_mark_a_prefix():
 # --- the objective -----------------------------------------------------------------------------------
 
 
-def test_the_model_time_is_the_pipelines_and_the_shift_is_the_schedulers(folder, encoders):
+def test_the_model_time_is_the_pipelines_in_the_schedulers_shift(folder, encoders):
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(Z_IMAGE_SCHEDULER)
     scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(8), mu=1.0)  # static shift: mu is ignored
     # ZImagePipeline: timestep = (1000 - t) / 1000 for each scheduler timestep t.
     assert torch.equal(model_time(scheduler.sigmas[:-1], 1000), (1000 - scheduler.timesteps) / 1000)
 
-    objective = objective_of(folder)
-    assert objective.shift(256) == objective.shift(4096) == 6.0
+    objective = objective_of(folder)  # its shift (6.0) is test_families.py's
     batch = cached_batch(encoders)
     g = gen(5)
     torch.randn(batch["latent_mean"].shape, generator=g)  # prepare's posterior draw comes first
     t = sample_flow_timesteps(ObjectiveConfig(), 2, g)
     prepared = objective.prepare(batch, gen(5))
     torch.testing.assert_close(prepared.model_kwargs["t"], 1 - shift_sigmas(t, 6.0))
-
-
-def test_one_scheduler_step_on_the_negated_target_lands_on_the_flow(folder, encoders):
-    """The pipeline steps with -output; with the output equal to flow_inputs' target, each Euler step
-    from x at sigma_i lands exactly on x at sigma_(i+1): the target's sign and the time convention are
-    the pipeline's."""
-    objective = objective_of(folder)
-    batch = cached_batch(encoders)
-    x0, noise = torch.randn(2, 16, 8, 8, generator=gen(2)), torch.randn(2, 16, 8, 8, generator=gen(3))
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(Z_IMAGE_SCHEDULER)
-    scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(6), mu=1.0)
-    scheduler.set_begin_index(0)
-    for i, timestep in enumerate(scheduler.timesteps):
-        sigma = scheduler.sigmas[i].expand(2)
-        x_t = flow_interpolate(x0, noise, sigma)
-        kwargs, target = FAMILY.flow_inputs(objective, x_t, flow_target(x0, noise), sigma, batch)
-        torch.testing.assert_close(target, x0 - noise)
-        assert torch.equal(kwargs["t"], (1000 - timestep.expand(2)) / 1000)
-        stepped = scheduler.step(-target, timestep, x_t, return_dict=False)[0]
-        torch.testing.assert_close(stepped, flow_interpolate(x0, noise, scheduler.sigmas[i + 1].expand(2)))
-
 
 def test_each_caption_reaches_the_denoiser_at_its_own_length(folder, pipeline, encoders):
     objective = objective_of(folder)
@@ -325,21 +250,6 @@ def test_model_inputs_take_the_model_dtype(folder, encoders):
 
 # --- validation ----------------------------------------------------------------------------------------
 
-
-def test_validation_renders_what_the_pipeline_renders_from_the_prompt(root, pipeline, tmp_path):
-    """The default guidance 5 runs classifier-free guidance with the encoded "" as ZImagePipeline does:
-    rendering from the cached embeddings gives the pipeline's own image, pixel for pixel."""
-    prompt = CAPTIONS[0]
-    _, _, validator = make_validator(root, "tiny-z-image", f"validation.prompts=['{prompt}']", "validation.seeds=[3]")
-    assert validator.cfg and validator.guidance_scale == 5.0
-    assert set(validator.negative_embeds) == {"prompt_embeds", "prompt_embeds_mask"}
-    path = validator.render(pipeline.transformer, 0, tmp_path)[0]
-    rendered = check_image(path, SIDE, {"prompt": prompt, "guidance_scale": "5.0", "negative_prompt": ""})
-    direct = pipeline(prompt, height=SIDE, width=SIDE, num_inference_steps=2, guidance_scale=5.0,
-                      generator=gen(3)).images[0]
-    assert np.array_equal(rendered, np.asarray(direct).astype(np.int16))
-
-
 @pytest.mark.parametrize(("guidance", "cfg"), [("0.0", False), ("0.5", True)])
 def test_any_guidance_above_zero_is_classifier_free(root, pipeline, tmp_path, guidance, cfg):
     """ZImagePipeline guides as pos + g * (pos - neg): g = 0 is one prediction (Turbo's setting), and
@@ -353,43 +263,3 @@ def test_any_guidance_above_zero_is_classifier_free(root, pipeline, tmp_path, gu
 
 
 # --- export --------------------------------------------------------------------------------------------
-
-
-def test_comfyui_lora_is_diffusers_names_that_diffusers_reads_back(folder):
-    from peft import LoraConfig, get_peft_model_state_dict
-
-    model = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer")
-    rank, alpha = 4, 8.0
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(FAMILY.lora_targets),
-                                 init_lora_weights="gaussian"))
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(generator=gen(7))
-    layers = get_peft_model_state_dict(model)
-    comfy = comfyui_lora_state_dict(spec_of(folder), model, layers, alpha)
-    modules = {k.removesuffix(".lora_A.weight") for k in layers if k.endswith(".lora_A.weight")}
-    assert {"noise_refiner.0.attention.to_q", "context_refiner.0.attention.to_out.0", "layers.1.attention.to_v"} <= modules
-    assert set(comfy) == {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_down.weight", "lora_up.weight", "alpha")}
-    assert all(comfy[f"diffusion_model.{m}.alpha"].item() == alpha for m in modules)
-
-    converted = ZImagePipeline.lora_state_dict(comfy)  # diffusers' own reader of non-diffusers Z-Image LoRAs
-    state = converted[0] if isinstance(converted, tuple) else converted
-    for module in modules:
-        expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank)
-        got = state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"]
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-
-
-def test_comfyui_model_is_the_original_layout_and_converts_back_exactly(pipeline):
-    weights = {name: tensor.clone() for name, tensor in pipeline.transformer.state_dict().items()}
-    comfy = FAMILY.comfyui_model(dict(weights))
-    dim = pipeline.transformer.config.dim
-    for key in ("layers.0.attention.qkv.weight", "noise_refiner.0.attention.qkv.weight",
-                "context_refiner.0.attention.qkv.weight"):
-        assert comfy[key].shape == (3 * dim, dim)
-    assert {"x_embedder.weight", "final_layer.adaLN_modulation.1.weight", "layers.0.attention.out.weight",
-            "layers.0.attention.q_norm.weight", "cap_pad_token", "x_pad_token"} <= comfy.keys()
-    assert not [k for k in comfy if any(part in k for part in ("to_q", "to_out", "norm_k", "all_x_embedder"))]
-    back = convert_z_image_transformer_checkpoint_to_diffusers(dict(comfy))
-    assert back.keys() == weights.keys()
-    assert all(torch.equal(back[name], tensor) for name, tensor in weights.items())

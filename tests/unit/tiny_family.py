@@ -1,8 +1,8 @@
 """What the family unit tests share: the resolved spec of a model name or path, seeded generators, a
 plan through the CLI (planned) of a catalog name or a bare config.json (bare_config), and the
-module-scoped fixtures of one tiny model (tiny_fixtures): its folder, built once as ensure_tiny_pipeline
-lays it out (root/<name>), its pipeline loaded with from_pretrained, and zerotrain's encoders for it
-(load_encoders)."""
+module-scoped fixtures of one tiny model (tiny_fixtures): its folder, built once per session as
+ensure_tiny_pipeline lays it out (tiny_root()/<name>), its pipeline loaded with from_pretrained, and
+zerotrain's encoders for it (load_encoders)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,45 @@ def bare_config(folder: Path, config: dict[str, Any]) -> Path:
     return path
 
 
+_ROOT: list[Path] = []
+_SHARED: dict[tuple[str, ...], Any] = {}
+
+
+def tiny_root(tmp_path_factory: Any) -> Path:
+    """The session's folder of tiny models (ensure_tiny_pipeline builds each there once): shared by every module
+    that tests a tiny model, test_families.py's table and the family's own file."""
+    if not _ROOT:
+        _ROOT.append(tmp_path_factory.mktemp("models"))
+    return _ROOT[0]
+
+
+def shared(key: tuple[str, ...], make: Any) -> Any:
+    """make(), once per session for `key`: a tiny model's pipeline or encoders, loaded once for test_families.py's
+    table and the family's own file (which run in one session; neither leaves an adapter loaded in them)."""
+    if key not in _SHARED:
+        _SHARED[key] = make()
+    return _SHARED[key]
+
+
+def tiny_pipeline(folder: Path, pipeline_class: str, **components: Any) -> Any:
+    """The diffusers pipeline `pipeline_class` of a tiny folder (its progress bar off), shared by the session."""
+    def load():
+        import diffusers
+
+        pipe = getattr(diffusers, pipeline_class).from_pretrained(folder, **components)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    return shared(("pipeline", str(folder), pipeline_class), load)
+
+
+def tiny_encoders(folder: Path) -> Any:
+    """zerotrain's encoders (load_encoders) of a tiny folder, shared by the session."""
+    from zerotrain.models.conditioning import load_encoders
+
+    return shared(("encoders", str(folder)), lambda: load_encoders(spec_of(folder), folder))
+
+
 def tiny_fixtures(name: str, pipeline_class: str) -> tuple[Any, Any, Any, Any]:
     """Module fixtures root, folder, pipeline and encoders for the tiny catalog model `name`, whose
     pipeline is the diffusers class `pipeline_class`: assign them at a test module's top level,
@@ -49,28 +88,20 @@ def tiny_fixtures(name: str, pipeline_class: str) -> tuple[Any, Any, Any, Any]:
 
     @pytest.fixture(scope="module", name="root")
     def root(tmp_path_factory) -> Path:
-        from zerotrain.models.tiny import build_tiny_pipeline
-
-        built = tmp_path_factory.mktemp("models")
-        build_tiny_pipeline(name, built / name)
-        return built
+        return tiny_root(tmp_path_factory)
 
     @pytest.fixture(scope="module", name="folder")
     def folder(root) -> Path:
-        return root / name
+        from zerotrain.models.tiny import ensure_tiny_pipeline
+
+        return ensure_tiny_pipeline(name, root)
 
     @pytest.fixture(scope="module", name="pipeline")
     def pipeline(folder):
-        import diffusers
-
-        pipe = getattr(diffusers, pipeline_class).from_pretrained(folder)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return tiny_pipeline(folder, pipeline_class)
 
     @pytest.fixture(scope="module", name="encoders")
     def encoders(folder):
-        from zerotrain.models.conditioning import load_encoders
-
-        return load_encoders(spec_of(folder), folder)
+        return tiny_encoders(folder)
 
     return root, folder, pipeline, encoders

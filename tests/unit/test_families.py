@@ -1,0 +1,767 @@
+"""The checks every family shares, run over one table of families (FAMILIES, one row each; pytest's ids are
+the family names, or the catalog names for the per-model check): the catalog's parameter counts and a
+published config against the class defaults; planning the published model with the shipped facts and a
+bare config.json; the cached text against the pipeline's encode_prompt and the cached latents against its
+VAE; the shift and one scheduler step on the target; the planner's inputs through the model; backprop into
+every parameter; validation against the pipeline's own render; the ComfyUI LoRA and model exports.
+
+What is special to a family stays in tests/unit/test_family_<name>.py. Adding a family to these checks is a
+row; a field left None leaves that family out of the check that needs it (where its own file checks it
+otherwise). Each tiny model is built once per session (tiny_family.tiny_root) and loaded once per row."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from peft import LoraConfig, get_peft_model_state_dict
+
+from tests.unit.test_sampling import check_image, make_validator
+from tests.unit.tiny_family import (
+    bare_config,
+    gen,
+    plan_json,
+    spec_of,
+    tiny_encoders,
+    tiny_pipeline,
+    tiny_root,
+)
+from zerotrain.config import RunConfig
+from zerotrain.config.sections import ObjectiveConfig
+from zerotrain.export import comfyui_lora_state_dict
+from zerotrain.families import example_inputs, of
+from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
+from zerotrain.objectives import flow_interpolate, flow_target, make_objective
+from zerotrain.planner.measure import measure_model
+
+CAPTIONS = ("a red chair", "An oil painting of Mountains at sunset, warm light on the lake!")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family's row: what the shared checks need to know of it."""
+
+    name: str  # the family (spec.family), the tests' id
+    denoiser: str  # its denoiser's diffusers class (spec.class_name)
+    parameters: dict[str, int]  # catalog name: sum(p.numel()) built on meta (diffusers 0.42.1)
+    spec: dict[str, dict[str, Any]]  # catalog name: ModelSpec fields (and the family's pixel_factor) it resolves to
+    defaults: tuple[str, ...] = ()  # catalog names whose published config is the class's defaults
+    omitted: bool = False  # the published config leaves some class fields out (at their defaults)
+    differ: frozenset[str] = frozenset()  # published fields that are not the class default
+    # `zerotrain plan` of the published model at 1024 px: name, gpus, mode; the shipped facts' tokens; a check of them.
+    plan: tuple[str, str, str] | None = None
+    plan_tokens: tuple[int, int | None] = (4096, 512)
+    plan_check: Callable[[Any], None] | None = None
+    # A bare config.json of a catalog model's config: name, resolution, LoRA (rank 4) or not; the Linears the
+    # family's default targets adapt, the image tokens, and LoRA's trainable count where written out.
+    bare: tuple[str, int, bool] | None = None
+    bare_lora_modules: int | None = None
+    bare_image_tokens: int | None = None
+    bare_trainable: int | None = None
+    bare_check: Callable[[Any], None] | None = None
+    # The tiny model: its catalog name, pipeline class, a side in px and the captions' text tokens.
+    tiny: str | None = None
+    pipeline: str | None = None
+    side: int = 64
+    captions: tuple[str, ...] = CAPTIONS
+    text_tokens: int = 40
+    latent_std: float = 0.0  # the cached batch's latent_std
+    # The cache: each caption's rows as the pipeline encodes them, without its padding (None: not checked here),
+    # their shape after the batch and text dimensions, and assert_close's tolerances for them (None: exactly equal).
+    text_rows: Callable[[Any, list[str], int], list[torch.Tensor]] | None = None
+    text_shape: tuple[int, ...] = ()
+    text_tolerance: dict[str, float] | None = None
+    # The cached latents' mean and std as the pipeline's VAE gives them for pixels (std None: not checked).
+    latents: Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    # The objective: the shift at token counts (exactly, or approximately); the pipeline's scheduler set to a few
+    # steps, the sign it steps with (output = sign * (noise - x0)), the layout of latents as the model's output,
+    # and the model time of a scheduler timestep under its key (exactly or within float tolerance).
+    shifts: dict[int, float] = field(default_factory=dict)
+    shift_exact: bool = False
+    scheduler: Callable[[], Any] | None = None
+    sign: int = 1
+    layout: Callable[[torch.Tensor], torch.Tensor] | None = None
+    time: tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
+    time_exact: bool = False
+    planner_out: tuple[int, ...] | None = None  # the model's output shape for example_inputs(spec, 2, side, side, 12)
+    backprop: bool = False  # prepare() backpropagates into every parameter (else its own file checks what does)
+    # Validation: guidance, classifier-free or not, the PNG's text, the pipeline's extra call arguments, the
+    # negative embeddings' keys, and the largest pixel difference from the pipeline's own render.
+    guidance: float | None = None
+    cfg: bool = False
+    png_text: dict[str, str] = field(default_factory=dict)
+    pipeline_call: dict[str, Any] = field(default_factory=dict)
+    negative_keys: frozenset[str] | None = None
+    render_tolerance: int = 1
+    # The ComfyUI LoRA (checked when lora): targets beyond the family's, names it must hold, a check of the file,
+    # and whether a fresh pipeline loads it (a loader: folder -> pipeline).
+    lora: bool = False
+    lora_extra: tuple[str, ...] = ()
+    lora_keys: frozenset[str] | None = None
+    lora_check: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None
+    lora_loader: Callable[[Path], Any] | None = None
+    # The ComfyUI model: names it must hold, a check, and diffusers' reading of it back
+    # (comfy, weights, folder, tmp_path) -> state dict.
+    model_keys: frozenset[str] | None = None
+    model_check: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None
+    read_back: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], Path, Path], dict[str, torch.Tensor]] | None = None
+
+
+# --- the rows' hooks ------------------------------------------------------------------------------------
+
+
+def _exp_mu(base_seq: int, max_seq: int, base_shift: float, max_shift: float, module: str) -> Callable[[int], float]:
+    def shift(tokens: int) -> float:
+        calculate_shift = __import__(module, fromlist=["calculate_shift"]).calculate_shift
+        return math.exp(calculate_shift(tokens, base_seq, max_seq, base_shift, max_shift))
+    return shift
+
+
+def _krea2_scheduler():
+    from zerotrain.families.krea2 import KREA2_SCHEDULER
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(KREA2_SCHEDULER)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4).tolist(), mu=0.8)
+    return scheduler
+
+
+def _ideogram4_scheduler():
+    from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _logit_normal_sigmas
+
+    from zerotrain.families.ideogram4 import IDEOGRAM4_SCHEDULER
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(IDEOGRAM4_SCHEDULER)
+    scheduler.set_timesteps(sigmas=_logit_normal_sigmas(4, 0.3, std=1.5).tolist())
+    return scheduler
+
+
+def _qwen21_scheduler():
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    from zerotrain.families.qwen_image21 import QWEN21_SCHEDULER
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN21_SCHEDULER)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4), mu=calculate_shift(16, 256, 4096, 0.5, 1.15))
+    return scheduler
+
+
+def _z_image_scheduler():
+    from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+
+    from zerotrain.families.z_image import Z_IMAGE_SCHEDULER
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(Z_IMAGE_SCHEDULER)
+    scheduler.set_timesteps(sigmas=get_default_z_image_sigmas(6), mu=1.0)  # static shift: mu is ignored
+    return scheduler
+
+
+def _krea2_rows(pipeline, captions, text_tokens):
+    embeds, mask = pipeline.encode_prompt(captions, max_sequence_length=text_tokens)
+    # The pipeline's mask: the prompt, padding, then the 5 suffix tokens (a hole); the cache's a prefix.
+    assert mask[0, -5:].all() and not mask[0, -6] and not mask.all()
+    return [embeds[i][mask[i]] for i in range(len(captions))]
+
+
+def _ideogram4_rows(pipeline, captions, text_tokens):
+    features, _, _, indicator = pipeline.encode_prompt(captions, 1, 1, text_tokens, "cpu")
+    text = indicator[:, :text_tokens] == 3  # the pipeline pads on the left
+    assert not text[:, 0].any() and (text.sum(1) > 8).all()
+    return [features[i, :text_tokens][text[i]] for i in range(len(captions))]
+
+
+def _qwen21_rows(pipeline, captions, text_tokens):
+    embeds, mask, image_pad = pipeline.encode_prompt(captions, device="cpu")
+    assert not image_pad.any()
+    return [embeds[i, :int(mask[i].sum())] for i in range(len(captions))]
+
+
+def _z_image_rows(pipeline, captions, text_tokens):
+    own, negative = pipeline.encode_prompt(list(captions), do_classifier_free_guidance=False,
+                                           max_sequence_length=text_tokens)
+    assert negative == [] and len({len(e) for e in own}) == len(captions), "the captions should differ in length"
+    return own
+
+
+def _qwen_image_rows(pipeline, captions, text_tokens):
+    rows = []
+    for caption in captions:  # each row is the caption encoded alone (mask None), then zeros
+        with torch.no_grad():
+            alone, no_mask = pipeline.encode_prompt([caption], device="cpu", max_sequence_length=text_tokens)
+        assert no_mask is None
+        rows.append(alone[0])
+    return rows
+
+
+def _shift_scale_latents(pipeline, pixels):
+    """shift_factor and scaling_factor: FLUX.1's VAE (the pipeline decodes latents / scaling + shift)."""
+    with torch.no_grad():
+        posterior = pipeline.vae.encode(pixels).latent_dist
+    vae = pipeline.vae.config
+    return (posterior.mode() - vae.shift_factor) * vae.scaling_factor, posterior.std * vae.scaling_factor
+
+
+def _krea2_latents(pipeline, pixels):
+    mean = pipeline.vae.encode(pixels.unsqueeze(2)).latent_dist.mean[:, :, 0]
+    config = pipeline.vae.config
+    return (mean - torch.tensor(config.latents_mean).view(1, -1, 1, 1)) / torch.tensor(config.latents_std).view(1, -1, 1, 1), None
+
+
+def _chroma_plan(facts):
+    with torch.device("meta"):
+        model = diffusers.ChromaTransformer2DModel.from_config(spec_of("chroma").config)
+    approximator = sum(p.numel() for p in model.distilled_guidance_layer.parameters())
+    assert facts.family == "chroma" and facts.block_params["distilled_guidance_layer"] == approximator == 278_285_312
+
+
+def _qwen_image_plan(facts):
+    # LoRA on the 4 image-attention projections (3072 -> 3072) of each of the 60 blocks.
+    assert facts.trainable_params == 60 * 4 * facts.lora_rank * (3072 + 3072)
+
+
+def _ideogram4_plan(facts):
+    # One transformer and its adapters: the unconditional one is not loaded for training.
+    assert facts.total_params < 1.1 * 9_279_288_448
+
+
+def _flux3_plan(facts):
+    # The per-mode blocks are checkpoint units; the reference blocks, idle without references, free nothing.
+    assert [(unit.names[0], len(unit.names)) for unit in facts.checkpoint_units] == [
+        ("txt_mode_blocks.0", 5), ("mode_blocks.image.0", 5), ("single_transformer_blocks.0", 28)]
+
+
+def _qwen21_bare(facts):
+    """The transformer builds its token layout from img_mask with nonzero and tolist: the planner's meta trace
+    keeps img_mask on the host (trace.HostMetadataMode) and traces forward and backward at full size."""
+    assert facts.no_checkpointing.saved_bytes > 8 * facts.checkpointing.saved_bytes > 0
+
+
+def _krea2_lora(comfy, layers):
+    assert not [k for k in comfy if "alpha" in k or "transformer_blocks" in k]
+
+
+def _ideogram4_lora(comfy, layers):
+    assert comfy["diffusion_model.layers.0.attention.qkv.lora_down.weight"].shape[0] == 3 * 4
+
+
+def _z_image_lora(comfy, layers):
+    modules = {k.removesuffix(".lora_A.weight") for k in layers if k.endswith(".lora_A.weight")}
+    assert {"noise_refiner.0.attention.to_q", "context_refiner.0.attention.to_out.0", "layers.1.attention.to_v"} <= modules
+    assert set(comfy) == {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert all(comfy[f"diffusion_model.{m}.alpha"].item() == 8.0 for m in modules)
+
+
+def _flux3_loader(folder):
+    pipeline = diffusers.Flux3ModularPipeline.from_pretrained(folder)
+    pipeline.load_components(names=["transformer"], pretrained_model_name_or_path=str(folder))
+    return pipeline
+
+
+def _krea2_back(comfy, weights, folder, tmp_path):
+    from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
+
+    assert comfy["blocks.0.mod.lin"].ndim == 1  # the original stores the six modulation vectors flat
+    back = convert_krea2_transformer_checkpoint_to_diffusers(dict(comfy))
+    return {k: v.reshape(weights[k].shape) if k in weights else v for k, v in back.items()}
+
+
+def _z_image_back(comfy, weights, folder, tmp_path):
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    dim = weights["layers.0.attention.to_q.weight"].shape[1]
+    for key in ("layers.0.attention.qkv.weight", "noise_refiner.0.attention.qkv.weight",
+                "context_refiner.0.attention.qkv.weight"):
+        assert comfy[key].shape == (3 * dim, dim)
+    assert not [k for k in comfy if any(part in k for part in ("to_q", "to_out", "norm_k", "all_x_embedder"))]
+    return convert_z_image_transformer_checkpoint_to_diffusers(dict(comfy))
+
+
+def _single_file_back(cls: str):
+    def back(comfy, weights, folder, tmp_path):
+        from safetensors.torch import save_file
+
+        assert len(comfy) <= len(weights)
+        save_file({k: v.contiguous() for k, v in comfy.items()}, tmp_path / "comfy.safetensors")
+        loaded = getattr(diffusers, cls).from_single_file(str(tmp_path / "comfy.safetensors"), config=str(folder),
+                                                          subfolder="transformer", torch_dtype=torch.float32)
+        return loaded.state_dict()
+    return back
+
+
+def _flux3_model(comfy, weights):
+    assert len(comfy) == len(weights)
+    inner = weights["norm_out.linear.weight"].shape[0] // 2
+    assert math.isclose(float(comfy["final_layer.image.adaLN_modulation.1.weight"][0, 0]),
+                        float(weights["norm_out.linear.weight"][inner, 0]))  # (shift, scale) in BFL's
+
+
+def _qwen21_model(comfy, weights):
+    assert not any("gate_layer" in key or "img_mlp.proj" in key for key in comfy)
+
+
+def _tokens(grid: torch.Tensor) -> torch.Tensor:
+    """Latents (B, C, h, w) as tokens (B, h * w, C), rows first: QwenImage21Pipeline._pack_latents."""
+    return grid.flatten(2).transpose(1, 2)
+
+
+def _target_layout(family: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def layout(latents: torch.Tensor) -> torch.Tensor:
+        return of(spec_of(f"tiny-{family.replace('_', '-')}")).target_layout(latents)
+    return layout
+
+
+# --- the table ----------------------------------------------------------------------------------------------
+
+FLUX1_VAE = {"vae_scale_factor": 8, "latent_channels": 16, "vae_scaling_factor": 0.3611, "vae_shift_factor": 0.1159}
+
+FAMILIES = [
+    Family(
+        "chroma", "ChromaTransformer2DModel",
+        # chroma is the class's defaults, as Chroma1-HD publishes them.
+        parameters={"chroma": 8_899_983_424, "tiny-chroma": 45_808},
+        spec={"chroma": FLUX1_VAE, "tiny-chroma": {}},
+        defaults=("chroma",),
+        plan=("chroma", "8xH100-80GB", "full"), plan_check=_chroma_plan,
+        bare=("tiny-chroma", 64, True), bare_lora_modules=12 + 3,  # every Linear of the double block; q, k, v of the single
+        bare_image_tokens=(64 // 16) ** 2,  # no vae/config.json: FLUX.1's 8x VAE, 2x2 packing
+        tiny="tiny-chroma", pipeline="ChromaPipeline", side=32, latents=_shift_scale_latents,
+    ),
+    Family(
+        "flux2", "Flux2Transformer2DModel",
+        parameters={"flux2-dev": 32_223_281_152, "flux2-klein-4b": 3_875_544_576, "flux2-klein-9b": 9_078_581_248,
+                    "tiny-flux2": 104_128, "tiny-flux2-klein": 102_080},
+        # 8x (2x tiny) VAE times the 2x2 patchify.
+        spec={**{name: {"vae_scale_factor": 16, "vae_scaling_factor": None, "vae_shift_factor": None, "pixel_factor": 16}
+                 for name in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b")},
+              **{name: {"vae_scale_factor": 4, "vae_scaling_factor": None, "vae_shift_factor": None, "pixel_factor": 4}
+                 for name in ("tiny-flux2", "tiny-flux2-klein")}},
+        defaults=("flux2-dev",), omitted=True,
+        plan=("flux2-dev", "8xH100-80GB", "full"), plan_tokens=(64 * 64, None),  # 1024 px / 16 px per token
+        bare=("tiny-flux2-klein", 256, False),
+    ),
+    Family(
+        "flux3", "Flux3Transformer2DModel",
+        parameters={"flux3-klein-base": 5_538_458_368, "tiny-flux3": 94_880},
+        # 8x VAE and 2x2 patches; the tiny VAE is 2x.
+        spec={"flux3-klein-base": {"vae_scale_factor": 16, "vae_scaling_factor": None, "pixel_factor": 16},
+              "tiny-flux3": {"vae_scale_factor": 4, "vae_scaling_factor": None, "pixel_factor": 4}},
+        defaults=("flux3-klein-base",),
+        plan=("flux3-klein-base", "1xRTX4090-24GB", "lora"), plan_check=_flux3_plan,
+        bare=("flux3-klein-base", 1024, True), bare_image_tokens=4096,
+        # Per block q, k, v, out (3072 -> 3072), linear_in (3072 -> 18432), linear_out (9216 -> 3072); 5 blocks for
+        # each of image, references and text, 28 joint blocks.
+        bare_lora_modules=(3 * 5 + 28) * 6,
+        bare_trainable=(3 * 5 + 28) * (4 * 4 * (3072 + 3072) + 4 * (3072 + 18432) + 4 * (9216 + 3072)),
+        tiny="tiny-flux3", pipeline="Flux3ModularPipeline", planner_out=(2, 16 * 16, 16),
+        shifts={16 * 16: 6.93, 64 * 64: 6.93}, shift_exact=True,  # static, whatever the resolution
+        lora=True, lora_keys=frozenset({"diffusion_model.content_mode_blocks.image.0.q_proj.lora_A.weight",
+                             "diffusion_model.txt_mode_blocks.0.mlp_in.lora_B.weight",
+                             "diffusion_model.single_blocks.1.attn_out.lora_A.weight"}),
+        lora_loader=_flux3_loader,
+        model_keys=frozenset({"emb_in.image.weight", "txt_in.weight", "time_in.in_layer.weight",
+                              "content_mode_blocks.image_cond.0.q_proj.weight", "txt_mode_blocks.0.norm.query_norm.scale",
+                              "single_blocks.1.mlp_out.weight", "early_stream_modulations.txt.lin.weight",
+                              "final_layer.image.linear.weight", "final_layer.image.adaLN_modulation.1.weight"}),
+        model_check=_flux3_model, read_back=_single_file_back("Flux3Transformer2DModel"),
+    ),
+    Family(
+        "ideogram4", "Ideogram4Transformer2DModel",
+        parameters={"ideogram-4": 9_279_288_448, "tiny-ideogram4": 36_368},  # one transformer
+        # 8x VAE and 2x2 fold; the tiny VAE is 2x.
+        spec={"ideogram-4": {"vae_scale_factor": 16, "vae_scaling_factor": None, "pixel_factor": 16},
+              "tiny-ideogram4": {"vae_scale_factor": 4, "vae_scaling_factor": None, "pixel_factor": 4}},
+        defaults=("ideogram-4",),
+        plan=("ideogram-4", "1xRTX4090-24GB", "lora"), plan_check=_ideogram4_plan,
+        bare=("ideogram-4", 1024, True), bare_image_tokens=4096,
+        # Per block q, k, v, out (4608 -> 4608), w1 and w3 (4608 -> 12288), w2 (12288 -> 4608); 34 blocks.
+        bare_lora_modules=34 * 7, bare_trainable=34 * (4 * 4 * (4608 + 4608) + 3 * 4 * (4608 + 12288)),
+        tiny="tiny-ideogram4", pipeline="Ideogram4Pipeline",
+        text_rows=_ideogram4_rows, text_shape=(208,),
+        # 0.5 ln(H W / 512^2): the tiny 4 px a token at 64 px, at 1024 px, and 256 px on the tiny model.
+        shifts={16 * 16: math.exp(0.5 * math.log(64 * 64 / 512**2)), 64 * 64 * 16: math.exp(0.5 * math.log(1024**2 / 512**2)),
+                64 * 64: 0.5},
+        # Ideogram4Pipeline passes t = 1 - sigma and steps the scheduler with the negated output.
+        scheduler=_ideogram4_scheduler, sign=-1, layout=_target_layout("ideogram4"),
+        time=("timestep", lambda t: 1 - t / 1000),
+        planner_out=(2, 16 * 16 + 12, 16), backprop=True,
+        # Both transformers, guidance 7 at every step, from the cached rows (the pipeline pads to 2048 tokens).
+        guidance=7.0, cfg=False, png_text={"guidance_scale": "7.0"}, pipeline_call={"guidance_schedule": None},
+        lora=True, lora_extra=("layers.0.adaln_modulation", "layers.1.adaln_modulation"),
+        lora_keys=frozenset({"diffusion_model.layers.0.attention.qkv.lora_down.weight",
+                             "diffusion_model.layers.1.attention.o.alpha",
+                             "diffusion_model.layers.1.feed_forward.w2.lora_up.weight",
+                             "diffusion_model.layers.0.adaln_modulation.lora_down.weight"}),
+        lora_check=_ideogram4_lora, lora_loader=diffusers.Ideogram4Pipeline.from_pretrained,
+    ),
+    Family(
+        "krea2", "Krea2Transformer2DModel",
+        parameters={"krea-2-raw": 12_820_073_036, "krea-2-turbo": 12_820_073_036, "tiny-krea2": 41_138},  # Turbo is Raw distilled
+        spec={name: {"vae_scale_factor": 8, "latent_channels": 16, "vae_scaling_factor": None, "pixel_factor": 16}
+              for name in ("krea-2-raw", "krea-2-turbo", "tiny-krea2")},
+        defaults=("krea-2-raw", "krea-2-turbo"),
+        plan=("krea-2-raw", "1xRTX4090-24GB", "lora"),  # (1024 / 16)^2; Krea2Pipeline's 512
+        # Per block q, k, v, out, gate, up and down (7; not ff.gate), in the 2 image blocks and the text fusion's 2;
+        # the fusion's projector, txt_in's two, img_in, final, time's two and time_mod_proj.
+        bare=("tiny-krea2", 256, True), bare_lora_modules=2 * 7 + 2 * 7 + 1 + 2 + 1 + 1 + 2 + 1,
+        tiny="tiny-krea2", pipeline="Krea2Pipeline", latent_std=0.5,
+        text_rows=_krea2_rows, text_shape=(2, 16), latents=_krea2_latents,
+        shifts={n: _exp_mu(256, 6400, 0.5, 1.15, "diffusers.pipelines.krea2.pipeline_krea2")(n) for n in (16, 4096, 9216)},
+        # Krea2Pipeline steps the scheduler with the output as it is (noise - x0), the timestep the scheduler's t / 1000.
+        scheduler=_krea2_scheduler, layout=_target_layout("krea2"), time=("timestep", lambda t: t / 1000),
+        planner_out=(2, 16, 64), backprop=True,
+        # The default guidance 4.5 guides with the encoded "" as Krea2Pipeline does.
+        guidance=4.5, cfg=True, png_text={"guidance_scale": "4.5", "negative_prompt": ""},
+        lora=True, lora_keys=frozenset({"diffusion_model.blocks.0.attn.wq.lora_A.weight", "diffusion_model.blocks.1.mlp.down.lora_B.weight",
+                             "diffusion_model.txtfusion.projector.lora_A.weight", "diffusion_model.first.lora_A.weight",
+                             "diffusion_model.tproj.1.lora_B.weight", "diffusion_model.last.linear.lora_A.weight"}),
+        lora_check=_krea2_lora, lora_loader=diffusers.Krea2Pipeline.from_pretrained,
+        model_keys=frozenset({"blocks.0.attn.wq.weight", "blocks.0.mod.lin", "txtfusion.projector.weight", "first.weight",
+                              "last.modulation.lin", "tmlp.0.weight"}),
+        read_back=_krea2_back,
+    ),
+    Family(
+        "qwen_image", "QwenImageTransformer2DModel",
+        # The published config (the class defaults) has 60 blocks of 339,831,296 plus 40,523,328 outside them;
+        # the tiny one 2 blocks of width 32.
+        parameters={"qwen-image": 20_430_401_088, "tiny-qwen-image": 92_448},
+        spec={name: {"vae_scale_factor": 8, "latent_channels": 16, "vae_scaling_factor": None, "vae_shift_factor": None}
+              for name in ("qwen-image", "tiny-qwen-image")},
+        defaults=("qwen-image",), omitted=True,
+        plan=("qwen-image", "8xH100-80GB", "lora"), plan_check=_qwen_image_plan,  # (1024 / 16)^2; the pipeline's 512
+        bare=("tiny-qwen-image", 256, False),
+        tiny="tiny-qwen-image", pipeline="QwenImagePipeline", text_tokens=32,
+        captions=("a red chair", "an oil painting of mountains at sunset, warm light on the lake"),
+        text_rows=_qwen_image_rows, text_shape=(32,), text_tolerance={"atol": 1e-5, "rtol": 1e-5},
+    ),
+    Family(
+        "qwen_image21", "QwenImage21Transformer2DModel",
+        parameters={"qwen-image-2.1": 7_115_124_736, "tiny-qwen-image21": 43_360},
+        # 16 px a latent token, 32 px an image slot (2x2 tokens): the pipeline rounds sizes to 32.
+        spec={name: {"vae_scale_factor": 16, "pixel_factor": 32, "image_tokens_1024": 4096}
+              for name in ("qwen-image-2.1", "tiny-qwen-image21")},
+        defaults=("qwen-image-2.1",),
+        plan=("qwen-image-2.1", "1xRTX4090-24GB", "lora"),
+        bare=("qwen-image-2.1", 1024, True), bare_image_tokens=4096, bare_check=_qwen21_bare,
+        bare_lora_modules=32 * 4, bare_trainable=32 * 4 * 4 * (4096 + 4096),  # q, k, v, out per block
+        tiny="tiny-qwen-image21", pipeline="QwenImage21Pipeline",
+        captions=("a red chair", "An oil painting of mountains at sunset, warm light on the lake!"),
+        text_rows=_qwen21_rows, text_shape=(32,), text_tolerance={},
+        shifts={n: _exp_mu(256, 4096, 0.5, 1.15, "diffusers.pipelines.qwenimage21.pipeline_qwenimage21")(n) for n in (16, 4096)},
+        scheduler=_qwen21_scheduler, layout=_tokens,
+        planner_out=(2, 12 + 4 * 4, 4), backprop=True,
+        model_keys=frozenset({"transformer_blocks.0.img_mlp.gate_up.weight", "txt_in.text_norm.weight"}),
+        model_check=_qwen21_model, read_back=_single_file_back("QwenImage21Transformer2DModel"),
+    ),
+    Family(
+        "z_image", "ZImageTransformer2DModel",
+        # The published count is the class default's: axes_lens, the only published field that differs, sizes a
+        # RoPE table, not parameters. Turbo is the same architecture.
+        parameters={"z-image": 6_154_908_736, "z-image-turbo": 6_154_908_736, "tiny-z-image": 364_176},
+        spec={"z-image": {**FLUX1_VAE, "pixel_factor": 16}, "z-image-turbo": {"latent_channels": 16},
+              "tiny-z-image": {"latent_channels": 16}},
+        defaults=("z-image", "z-image-turbo"), omitted=True, differ=frozenset({"axes_lens"}),
+        plan=("z-image", "8xH100-80GB", "full"),  # (1024 / 16)^2; ZImagePipeline's 512
+        bare=("tiny-z-image", 256, True), bare_lora_modules=4 * (2 + 1 + 1),  # layers, noise_refiner and context_refiner
+        tiny="tiny-z-image", pipeline="ZImagePipeline", text_tokens=48, latent_std=0.5,
+        captions=("a photo of a cat sitting on a red chair", "An oil painting of Mountains at sunset, unseen words!"),
+        text_rows=_z_image_rows, text_shape=(16,),
+        shifts={256: 6.0, 4096: 6.0}, shift_exact=True,
+        # The pipeline steps with -output, and passes timestep = (1000 - t) / 1000 for each scheduler timestep t.
+        scheduler=_z_image_scheduler, sign=-1, layout=lambda latents: latents,
+        time=("t", lambda t: (1000 - t) / 1000), time_exact=True,
+        # The default guidance 5 runs classifier-free guidance with the encoded "" as ZImagePipeline does: pixel for pixel.
+        guidance=5.0, cfg=True, png_text={"guidance_scale": "5.0", "negative_prompt": ""},
+        negative_keys=frozenset({"prompt_embeds", "prompt_embeds_mask"}), render_tolerance=0,
+        lora=True, lora_check=_z_image_lora,
+        model_keys=frozenset({"x_embedder.weight", "final_layer.adaLN_modulation.1.weight", "layers.0.attention.out.weight",
+                              "layers.0.attention.q_norm.weight", "cap_pad_token", "x_pad_token"}),
+        read_back=_z_image_back,
+    ),
+]
+
+
+def rows(*needed: str) -> list[Any]:
+    """The rows that have every field in `needed`, as pytest params with the family's id."""
+    return [pytest.param(row, id=row.name) for row in FAMILIES
+            if all(getattr(row, name) not in (None, (), {}, False) for name in needed)]
+
+
+# --- the tiny model of a row: built once per session, loaded once per row ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def row(request) -> Family:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def folder(row, tmp_path_factory) -> Path:
+    from zerotrain.models.tiny import ensure_tiny_pipeline
+
+    return ensure_tiny_pipeline(row.tiny, tiny_root(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def pipeline(row, folder):
+    if row.name == "qwen_image21":  # its processor built without torchvision
+        from zerotrain.families.qwen_image21 import load_processor
+
+        return tiny_pipeline(folder, row.pipeline, processor=load_processor(folder))
+    return tiny_pipeline(folder, row.pipeline)
+
+
+@pytest.fixture(scope="module")
+def encoders(folder):
+    return tiny_encoders(folder)
+
+
+def transformer(folder: Path) -> torch.nn.Module:
+    return spec_of(folder).denoiser_class().from_pretrained(folder, subfolder="transformer")
+
+
+def objective_of(row: Family, folder: Path):
+    return make_objective(spec_of(folder), of(spec_of(folder)).scheduler_config(folder), ObjectiveConfig(), row.side)
+
+
+def cached_batch(row: Family, folder: Path, encoders) -> dict[str, torch.Tensor]:
+    """The row's captions as CachedDataset's items collate, with random latents of the tiny model's grid."""
+    spec = spec_of(folder)
+    grid = row.side // spec.vae_scale_factor
+    shape = (len(row.captions), spec.latent_channels, grid, grid)
+    return {"latent_mean": torch.randn(shape, generator=gen(1)), "latent_std": torch.full(shape, row.latent_std),
+            **encode_prompts(encoders, list(row.captions), row.text_tokens)}
+
+
+# --- catalog and planning -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("row", "name"), [pytest.param(row, name, id=name) for row in FAMILIES for name in row.parameters])
+def test_catalog_entry_builds_on_meta_with_the_published_count(row, name):
+    spec = spec_of(name)
+    assert (spec.family, spec.class_name) == (row.name, row.denoiser)
+    with torch.device("meta"):
+        model = spec.denoiser_class().from_config(spec.config)
+    assert sum(p.numel() for p in model.parameters()) == row.parameters[name]
+    family = of(spec)
+    methods = {"pixel_factor": family.pixel_factor, "image_tokens_1024": lambda s: family.image_tokens(s, 1024)}
+    facts = row.spec.get(name, {})
+    assert {key: methods[key](spec) if key in methods else getattr(spec, key) for key in facts} == facts
+
+
+@pytest.mark.parametrize("row", rows("defaults"))
+def test_published_configs_are_the_class_defaults(row):
+    cls = getattr(diffusers, row.denoiser)
+    # The defaults as a config.json holds them (tuples become lists).
+    defaults = {k: json.loads(json.dumps(p.default)) for k, p in inspect.signature(cls.__init__).parameters.items()
+                if k not in ("self", "args", "kwargs")}
+    for name in row.defaults:
+        published = {k: v for k, v in spec_of(name).config.items() if not k.startswith("_")}
+        assert published.keys() <= defaults.keys() and (row.omitted or published.keys() == defaults.keys())
+        assert {k for k, v in published.items() if v != defaults[k]} == row.differ
+
+
+@pytest.mark.parametrize("row", rows("plan"))
+def test_plans_the_published_model_at_1024_with_the_shipped_facts(row, tmp_path, monkeypatch, capsys):
+    name, gpus, mode = row.plan
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    plan = plan_json(capsys, name, "--resolution", "1024", "--gpus", gpus, "--mode", mode)
+    assert plan["model"] == name and plan["chosen"]["fits"] is True
+    run = RunConfig(model={"name_or_path": name}, training={"mode": mode}, data={"resolution": 1024})
+    facts = measure_model(spec_of(name), run)
+    assert facts.cached and facts.source == "shipped", "the plan's: shipped with zerotrain"
+    image_tokens, text_tokens = row.plan_tokens
+    assert facts.image_tokens == image_tokens and text_tokens in (None, facts.text_tokens)
+    if mode == "full":
+        assert facts.total_params == facts.trainable_params == row.parameters[name]
+    else:  # the base and its adapters (for ideogram-4 one transformer: the unconditional one is not loaded to train)
+        assert facts.total_params == row.parameters[name] + facts.trainable_params > row.parameters[name]
+    if row.plan_check:
+        row.plan_check(facts)
+
+
+@pytest.mark.parametrize("row", rows("bare"))
+def test_a_bare_config_json_plans_and_lora_counts_the_default_targets(row, tmp_path, monkeypatch, capsys):
+    name, resolution, lora = row.bare
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = bare_config(tmp_path, spec_of(name).config)
+    mode = ["--mode", "lora", "--lora-rank", "4"] if lora else []
+    assert plan_json(capsys, path, "--resolution", str(resolution), "--gpus", "1xRTX4090-24GB", *mode)["chosen"]["fits"] is True
+    if not lora:
+        return
+    spec = spec_of(path)
+    run = RunConfig(model={"name_or_path": str(path)}, training={"mode": "lora", "lora": {"rank": 4}},
+                    data={"resolution": resolution})
+    facts = measure_model(spec, run)  # what the plan measured (not shipped facts), from the cache it wrote
+    assert facts.source == "cached"
+    with torch.device("meta"):
+        model = spec.denoiser_class().from_config(spec.config)
+    targets = of(spec).default_lora_targets(spec)
+    adapted = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and any(n == t or n.endswith("." + t) for t in targets)]
+    assert len(adapted) == row.bare_lora_modules
+    assert facts.trainable_params == sum(4 * (m.in_features + m.out_features) for m in adapted)
+    assert facts.total_params == row.parameters[name] + facts.trainable_params
+    if row.bare_trainable is not None:
+        assert facts.trainable_params == row.bare_trainable
+    if row.bare_image_tokens is not None:
+        assert facts.image_tokens == row.bare_image_tokens
+    if row.bare_check:
+        row.bare_check(facts)
+
+
+# --- the cache -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", rows("text_rows"), indirect=True)
+def test_cached_captions_are_the_pipelines_rows_without_the_padding(row, pipeline, encoders):
+    captions, text_tokens = list(row.captions), row.text_tokens
+    cached = encode_prompts(encoders, captions, text_tokens)
+    assert list(cached) == ["prompt_embeds", "prompt_embeds_mask"]
+    assert cached["prompt_embeds"].shape == (len(captions), text_tokens, *row.text_shape)
+    assert cached["prompt_embeds_mask"].dtype == torch.int64
+    with torch.no_grad():
+        own = row.text_rows(pipeline, captions, text_tokens)
+    for i, rows_i in enumerate(own):
+        n = len(rows_i)
+        assert 0 < n < text_tokens
+        assert cached["prompt_embeds_mask"][i].tolist() == [1] * n + [0] * (text_tokens - n)
+        if row.text_tolerance is None:
+            assert torch.equal(cached["prompt_embeds"][i, :n], rows_i)
+        else:
+            torch.testing.assert_close(cached["prompt_embeds"][i, :n], rows_i, **row.text_tolerance)
+        assert not cached["prompt_embeds"][i, n:].any()
+
+
+@pytest.mark.parametrize("row", rows("latents"), indirect=True)
+def test_cached_latents_are_the_vaes_normalized(row, pipeline, encoders):
+    pixels = torch.rand(2, 3, row.side, row.side, generator=gen(4)) * 2 - 1
+    moments = encode_latent_moments(encoders, pixels)
+    with torch.no_grad():
+        mean, std = row.latents(pipeline, pixels)
+    torch.testing.assert_close(moments.mean, mean)
+    if std is not None:
+        torch.testing.assert_close(moments.std, std)
+
+
+# --- the objective --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", rows("shifts"), indirect=True)
+def test_the_shift_is_the_pipelines(row, folder):
+    objective = objective_of(row, folder)
+    for tokens, shift in row.shifts.items():
+        assert objective.shift(tokens) == (shift if row.shift_exact else pytest.approx(shift)), tokens
+
+
+@pytest.mark.parametrize("row", rows("scheduler"), indirect=True)
+def test_one_scheduler_step_on_the_target_lands_on_the_flow(row, folder, encoders):
+    """With the output equal to flow_inputs' target (sign * (noise - x0) as the pipeline steps the scheduler with
+    sign * output), each Euler step from x at sigma_i lands on x at sigma_(i+1): the target's sign, layout and the
+    model time are the pipeline's."""
+    objective = objective_of(row, folder)
+    batch = cached_batch(row, folder, encoders)
+    shape = batch["latent_mean"].shape
+    x0, noise = torch.randn(shape, generator=gen(2)), torch.randn(shape, generator=gen(3))
+    scheduler = row.scheduler()
+    scheduler.set_begin_index(0)
+    family = of(spec_of(folder))
+    for i, timestep in enumerate(scheduler.timesteps):
+        sigma = scheduler.sigmas[i].expand(shape[0])
+        x_t = flow_interpolate(x0, noise, sigma)
+        kwargs, target = family.flow_inputs(objective, x_t, flow_target(x0, noise), sigma, batch)
+        if row.time:
+            key, time = row.time
+            if row.time_exact:
+                assert torch.equal(kwargs[key], time(timestep.expand(shape[0])))
+            else:
+                torch.testing.assert_close(kwargs[key], time(timestep.expand(shape[0])))
+        torch.testing.assert_close(target, row.layout(row.sign * (noise - x0)))
+        stepped = scheduler.step(row.sign * target, timestep, row.layout(x_t), return_dict=False)[0]
+        torch.testing.assert_close(stepped, row.layout(flow_interpolate(x0, noise, scheduler.sigmas[i + 1].expand(shape[0]))))
+
+
+@pytest.mark.parametrize("row", rows("planner_out"), indirect=True)
+def test_the_planners_inputs_run_the_model(row, folder):
+    with torch.no_grad():
+        out = transformer(folder)(**example_inputs(spec_of(folder), 2, row.side, row.side, 12, "cpu", torch.float32),
+                                  return_dict=False)[0]
+    assert out.shape == row.planner_out
+
+
+@pytest.mark.parametrize("row", rows("backprop"), indirect=True)
+def test_prepare_backpropagates_into_every_parameter(row, folder, encoders):
+    model = transformer(folder).train()
+    objective = objective_of(row, folder)
+    prepared = objective.prepare(cached_batch(row, folder, encoders), gen())
+    loss = objective.loss(model(**prepared.model_kwargs, return_dict=False)[0], prepared)
+    assert loss.shape == () and torch.isfinite(loss)
+    loss.backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+
+
+# --- validation -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", rows("guidance"), indirect=True)
+def test_validation_renders_what_the_pipeline_renders_from_the_prompt(row, folder, pipeline, tmp_path):
+    prompt = row.captions[0]
+    _, _, validator = make_validator(folder.parent, row.tiny, f"validation.prompts=['{prompt}']", "validation.seeds=[3]")
+    assert validator.cfg is row.cfg and validator.guidance_scale == row.guidance
+    if row.negative_keys is not None:
+        assert set(validator.negative_embeds) == row.negative_keys
+    path = validator.render(pipeline.transformer, 0, tmp_path)[0]
+    rendered = check_image(path, row.side, {"prompt": prompt, **row.png_text})
+    direct = pipeline(prompt, height=row.side, width=row.side, num_inference_steps=2, guidance_scale=row.guidance,
+                      generator=gen(3), **row.pipeline_call).images[0]
+    assert np.abs(rendered - np.asarray(direct).astype(np.int16)).max() <= row.render_tolerance
+
+
+# --- export ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", rows("lora"), indirect=True)
+def test_comfyui_lora_is_the_same_adapter_diffusers_reads_back(row, folder):
+    spec = spec_of(folder)
+    rank, alpha = 4, 8.0
+    model = transformer(folder)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=[*of(spec).lora_targets, *row.lora_extra],
+                                 init_lora_weights="gaussian"))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(generator=gen(7))
+    layers = get_peft_model_state_dict(model)
+    comfy = comfyui_lora_state_dict(spec, model, layers, alpha)
+    assert (row.lora_keys or frozenset()) <= comfy.keys()
+    if row.lora_check:
+        row.lora_check(comfy, layers)
+    state = getattr(diffusers, row.pipeline).lora_state_dict(dict(comfy))  # diffusers' reader of the family's layout
+    state = state[0] if isinstance(state, tuple) else state
+    modules = {k.removesuffix(".lora_A.weight") for k in layers if k.endswith(".lora_A.weight")}
+    assert {k.removeprefix("transformer.").rsplit(".", 2)[0] for k in state} == modules
+    for module in modules:
+        expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank)
+        got = state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if row.lora_loader:  # and the pipeline loads the file (a pipeline of its own: the adapter stays in its transformer)
+        row.lora_loader(folder).load_lora_weights(dict(comfy))
+
+
+@pytest.mark.parametrize("row", rows("read_back"), indirect=True)
+def test_comfyui_model_is_the_original_layout_and_converts_back_exactly(row, folder, tmp_path):
+    weights = {k: v.clone() for k, v in transformer(folder).state_dict().items()}
+    comfy = of(spec_of(folder)).comfyui_model(dict(weights))
+    assert row.model_keys <= comfy.keys()
+    if row.model_check:
+        row.model_check(comfy, weights)
+    back = row.read_back(comfy, weights, folder, tmp_path)
+    assert back.keys() == weights.keys()
+    assert not [k for k in weights if not torch.equal(back[k], weights[k])]
