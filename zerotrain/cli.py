@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = commands.add_parser("presets", help="regenerate the DeepSpeed presets in deepspeed_configs/ (zerotrain plan "
                                             "for each; a test fails when they drift)")
     r.add_argument("--out", type=Path, metavar="DIR", help="write them here instead")
+    g = commands.add_parser("regenerate", help="after adding or changing a family: trace the shipped facts of catalog "
+                                               "models (all when none is named) into zerotrain/planner/shipped_facts/, "
+                                               "then regenerate every preset in deepspeed_configs/")
+    g.add_argument("models", nargs="*", metavar="MODEL", help="catalog models (not the tiny- ones)")
     calibrate.add_parser(commands)
     doctor.add_parser(commands)
     launch.add_parser(commands)
@@ -88,6 +92,19 @@ def run_presets(args: argparse.Namespace) -> int:
     for path in regenerate_presets(args.out):
         print(path, file=sys.stderr)
     return 0
+
+
+def run_regenerate(args: argparse.Namespace) -> int:
+    """The shipped facts of the named catalog models (all when none), then every preset: what a new or
+    changed family needs generated, in one command."""
+    from zerotrain.planner import shipped
+
+    unknown = sorted(set(args.models) - set(shipped.shipped_models()))
+    if unknown:
+        raise ZerotrainError(f"{', '.join(unknown)}: not shipped catalog models; name some of "
+                             f"{', '.join(shipped.shipped_models())}, or none for all")
+    shipped.main(args.models)
+    return run_presets(argparse.Namespace(out=None))
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -198,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),
                     "export": lambda: run_export(args), "doctor": lambda: doctor.main(args),
                     "launch": lambda: launch.main(args), "calibrate": lambda: calibrate.main(args),
-                    "build-ops": run_build_ops, "presets": lambda: run_presets(args)}
+                    "build-ops": run_build_ops, "presets": lambda: run_presets(args),
+                    "regenerate": lambda: run_regenerate(args)}
         return commands[args.command]()
     except ZerotrainError as err:
         if args.debug:

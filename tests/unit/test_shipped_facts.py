@@ -101,7 +101,7 @@ def test_regression_guard_shipped_facts_equal_a_fresh_trace(name, training, tmp_
     measured_with = json.loads((SHIPPED_DIR / f"{name}.json").read_text())["measured_with"]
     assert dataclasses.replace(fresh, trace_seconds=0.0) == shipped, (
         f"shipped facts (measured with {measured_with}) differ from a trace with {installed}; "
-        f"regenerate them: python -m zerotrain.planner.shipped")
+        f"regenerate them: zerotrain regenerate {name}")
 
 
 PLANS = [
@@ -161,3 +161,11 @@ def test_a_fine_tunes_config_json_plans_from_its_base_models_shipped_facts_witho
     assert shipped_facts(dataclasses.replace(spec, source="config.json", config=config), shipped_key(spec, run, tokens))
     changed = dataclasses.replace(spec, source="config.json", config=deeper)
     assert shipped_facts(changed, shipped_key(changed, run, tokens)) is None
+
+
+def test_regenerate_refuses_a_model_it_does_not_ship_in_one_line(capsys):
+    from zerotrain.cli import main
+
+    assert main(["regenerate", "flux-dev", "tiny-flux"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("zerotrain: error: tiny-flux: not shipped catalog models;") and "\n" not in err

@@ -1,5 +1,5 @@
 """Model facts for a run: from the user's disk cache, from the facts shipped for the catalog models
-(shipped_facts/, written by `python -m zerotrain.planner.shipped`), or measured on the meta device
+(shipped_facts/, written by `zerotrain regenerate`), or measured on the meta device
 (zerotrain.planner.trace, imported only when a measurement is needed) and cached."""
 
 from __future__ import annotations

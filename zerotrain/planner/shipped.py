@@ -5,7 +5,7 @@ Every catalog model but the tiny test ones is measured at RESOLUTIONS, for a ful
 LoRA with the default settings over each quantization of the base; resolutions the model refuses
 are skipped. Regenerate them (half a minute to two minutes per model, on the meta device) with
 
-    python -m zerotrain.planner.shipped [MODEL ...]
+    zerotrain regenerate [MODEL ...]    (then the presets too; or python -m zerotrain.planner.shipped [MODEL ...])
 
 after changing the tracer (FACTS_VERSION), a family's conditioning or LoRA targets, or a catalog
 config; tests/unit/test_shipped_facts.py checks that nothing is missing and traces a sample again."""
