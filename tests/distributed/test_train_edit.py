@@ -27,22 +27,21 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.distributed.conftest import REPO, WORLD, Trainer, interrupted, logged_steps
+from tests.distributed.conftest import WORLD, Trainer, interrupted, logged_steps
+from tests.distributed.family_runs import (
+    CONTROLS,
+    SWATCHES,
+    Case,
+    assert_loss_drops,
+    check_validation_images,
+    dataset,
+    validation,
+)
 from tests.distributed.quiet_output import assert_quiet
-from tests.distributed.test_train_families import Case, check_validation_images
-from tests.distributed.test_train_flux2 import check_loss_goes_down
 
 pytestmark = pytest.mark.distributed
 
-EDITS = REPO / "examples" / "tiny-edit-data"
-CONTROLS = [EDITS / "control" / f"{name}.png" for name in ("00-red-square", "01-green-circle", "02-blue-square")]
-SWATCHES = [EDITS / "swatch" / path.name for path in CONTROLS]
 STEPS, STOP_AFTER = 12, 5
-
-
-def dataset(*controls: str) -> str:
-    entry = {"path": str(EDITS / "targets"), "controls": [str(EDITS / c) for c in controls], "repeats": 1}
-    return f"data.datasets=[{json.dumps(entry)}]"
 
 
 KONTEXT = "tiny-flux-kontext"
@@ -79,14 +78,10 @@ def flux2_edit(pipeline) -> torch.Tensor:
     return render(pipeline, [Image.open(p).convert("RGB") for p in (CONTROLS[0], SWATCHES[0])], max_sequence_length=64)
 
 
-def validation(*per_prompt: list) -> str:
-    return f"validation.controls={json.dumps([[str(p) for p in images] for images in per_prompt])}"
-
-
 def test_kontext_full_fine_tune_zero3_exports_a_transformer_kontext_loads(edit, full_run):
     from diffusers import FluxKontextPipeline, FluxTransformer2DModel
 
-    check_loss_goes_down("a kontext full zero3", full_run.losses(), 0.05)
+    assert_loss_drops("a kontext full zero3", full_run.losses(), full_run.seconds, 0.05, STEPS)
     # The planner traced the reference's tokens (64 px through the 2x VAE, packed 2 x 2: 256 of each).
     reasons = json.loads((full_run.output_dir / "plan.json").read_text())["reasons"]
     assert any("(256 image + 256 reference + 512 text tokens)" in line for line in reasons), reasons
@@ -118,7 +113,7 @@ def test_kontext_lora_zero2_validates_through_the_edit_pipeline_and_exports_a_lo
     result = edit(KONTEXT_LORA.id, *KONTEXT_LORA.overrides(), dataset("control"),
                   validation(*[[c] for c in CONTROLS])).check()
     assert_quiet(result)
-    check_loss_goes_down(KONTEXT_LORA.id, result.losses(), KONTEXT_LORA.min_drop)
+    assert_loss_drops(KONTEXT_LORA.id, result.losses(), result.seconds, KONTEXT_LORA.min_drop, STEPS)
     check_validation_images(result.output_dir, KONTEXT_LORA)
     pipeline = FluxKontextPipeline.from_pretrained(edit.run_config().data.cache_dir / "models" / KONTEXT)
     before = kontext_edit(pipeline)
@@ -140,7 +135,7 @@ def test_flux2_lora_zero3_with_two_references_learns_and_exports_a_lora_flux2_lo
     result = edit(FLUX2_LORA.id, *FLUX2_LORA.overrides(), "data.text_tokens=64", dataset("control", "swatch"),
                   validation(*[[c, s] for c, s in zip(CONTROLS, SWATCHES, strict=True)])).check()
     assert_quiet(result)
-    check_loss_goes_down(FLUX2_LORA.id, result.losses(), FLUX2_LORA.min_drop)
+    assert_loss_drops(FLUX2_LORA.id, result.losses(), result.seconds, FLUX2_LORA.min_drop, STEPS)
     check_validation_images(result.output_dir, FLUX2_LORA)
     pipeline = Flux2Pipeline.from_pretrained(edit.run_config().data.cache_dir / "models" / "tiny-flux2")
     before = flux2_edit(pipeline)

@@ -34,51 +34,16 @@ loss): peft initialises lora_A from torch's global generator, which zerotrain do
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import pytest
 import yaml
 
+from tests.distributed.family_runs import WINDOW, Case, check_validation_images
 from tests.distributed.quiet_output import assert_quiet
 
 pytestmark = pytest.mark.distributed
 
-WINDOW = 3
-PROMPTS = ["a red square", "a blue circle", "a green square"]  # 3 images on 2 ranks: one pads
-VALIDATE_EVERY = 6
 RUN_FILES = ("config.yaml", "plan.json", "deepspeed.json", "checkpoints/latest", "metrics.jsonl", "export")
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    model: str
-    mode: str
-    stage: int
-    lr: float
-    steps: int
-    offload: bool = False
-    quantize: str = "none"
-    min_drop: float = 0.05
-    """Required relative drop of the mean of the last WINDOW losses against the first WINDOW."""
-    checkpoint_blocks: int | None = None
-    """training.checkpoint_blocks: partial checkpointing of that many blocks."""
-    optimizer: str = "adamw"
-
-    def overrides(self) -> list[str]:
-        out = [f"model.name_or_path={self.model}", f"training.mode={self.mode}", f"training.max_steps={self.steps}",
-               f"planner.stages=[{self.stage}]", "planner.offload=[none]", f"optimizer.lr={self.lr}",
-               f"validation.prompts={json.dumps(PROMPTS)}", f"validation.every={VALIDATE_EVERY}",
-               "validation.steps=2", "validation.seeds=[7]"]
-        if self.mode == "lora":
-            out.append("training.lora.rank=4")
-        if self.quantize != "none":
-            out.append(f"training.quantize_base={self.quantize}")
-        if self.checkpoint_blocks is not None:
-            out.append(f"training.checkpoint_blocks={self.checkpoint_blocks}")
-        if self.optimizer != "adamw":
-            out.append(f"optimizer.name={self.optimizer}")
-        return out
 
 
 CASES = [
@@ -123,28 +88,6 @@ def stepped_by_cpu_adam(checkpoint) -> bool:
     assert {"amsgrad", "bias_correction"} <= group.keys() and "maximize" not in group, \
         f"not DeepSpeedCPUAdam's param groups: {sorted(group)}"
     return True
-
-
-def check_validation_images(run_dir, case: Case) -> None:
-    """The validation images train.py rendered at the start, every VALIDATE_EVERY steps and at the
-    end: real PNGs of data.resolution, not blank, carrying their prompt, and changing as it trains."""
-    import numpy as np
-    from PIL import Image
-
-    steps = sorted({0, *range(VALIDATE_EVERY, case.steps + 1, VALIDATE_EVERY), case.steps})
-    folders = sorted((run_dir / "validation").iterdir())
-    assert [f.name for f in folders] == [f"step-{s:08d}" for s in steps], folders
-    pixels = []
-    for folder in folders:
-        files = sorted(folder.glob("[0-9][0-9]-seed7.png"))
-        assert len(files) == len(PROMPTS) and (folder / "grid.png").is_file(), sorted(folder.iterdir())
-        for index, path in enumerate(files):
-            with Image.open(path) as image:
-                assert image.size == (64, 64) and image.text["prompt"] == PROMPTS[index], (path, image.size)
-                array = np.asarray(image.convert("RGB"), dtype=np.float32)
-            assert array.std() > 2, f"{path} is blank"
-        pixels.append(array)
-    assert np.abs(pixels[0] - pixels[-1]).mean() > 0.5, "the images did not change while the model trained"
 
 
 def only_adapters_in_engine(checkpoint) -> bool:

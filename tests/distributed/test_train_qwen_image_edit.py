@@ -33,10 +33,16 @@ import torch
 from PIL import Image
 
 from tests.distributed.conftest import WORLD, Trainer, interrupted, logged_steps
+from tests.distributed.family_runs import (
+    CONTROLS,
+    SWATCHES,
+    Case,
+    assert_loss_drops,
+    check_validation_images,
+    dataset,
+    validation,
+)
 from tests.distributed.quiet_output import assert_quiet
-from tests.distributed.test_train_edit import CONTROLS, SWATCHES, dataset, validation
-from tests.distributed.test_train_families import Case, check_validation_images
-from tests.distributed.test_train_z_image import assert_loss_drops
 
 pytestmark = pytest.mark.distributed
 
