@@ -117,3 +117,17 @@ def check_sigterm_rerun(trainer: Trainer, name: str, overrides: tuple[str, ...],
     assert f"resumed from {checkpoint} at step {done}" in resumed.log, resumed.tails()
     assert [r["step"] for r in resumed.metrics()] == list(range(1, steps + 1))
     assert resumed.losses() == straight.losses(), f"resumed {resumed.losses()}\nstraight {straight.losses()}"
+
+
+def offload_config(train, case: Case, overrides: list[str], path):
+    """zerotrain's DeepSpeed JSON for ZeRO-3 with the optimizer and the parameters on the CPU, for
+    this run's settings, as a file for `deepspeed: path`."""
+    from zerotrain.planner.deepspeed_json import deepspeed_config
+    from zerotrain.planner.memory import Layout
+
+    run = train.run_config(*overrides)
+    micro = 1
+    layout = Layout(case.stage, offload_optimizer="cpu", offload_param="cpu", micro_batch=micro,
+                    accumulation=run.training.global_batch_size // (micro * train.world), optimizer=case.optimizer)
+    path.write_text(json.dumps(deepspeed_config(layout, run, train.world), indent=2))
+    return path

@@ -84,7 +84,7 @@ def test_a_zero3_load_takes_one_model_copy_per_node_not_one_per_rank(large_flux,
 def test_training_after_a_partitioned_load_equals_a_whole_load(train, tmp_path, name, overrides):
     from safetensors.torch import load_file
 
-    from tests.distributed.test_train_families import Case, offload_config
+    from tests.distributed.family_runs import Case, offload_config
 
     common = [*overrides, f"training.max_steps={STEPS}", f"training.checkpoint_every={STEPS}"]
     if name == "full-offloaded":

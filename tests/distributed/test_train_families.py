@@ -38,7 +38,7 @@ import json
 import pytest
 import yaml
 
-from tests.distributed.family_runs import WINDOW, Case, check_validation_images
+from tests.distributed.family_runs import WINDOW, Case, check_validation_images, offload_config
 from tests.distributed.quiet_output import assert_quiet
 
 pytestmark = pytest.mark.distributed
@@ -60,20 +60,6 @@ CASES = [
     # drops only ~2% in 12 steps.
     Case("sd3-lora-zero2", "tiny-sd3", "lora", 2, 5e-2, 16, min_drop=0.03),
 ]
-
-
-def offload_config(train, case: Case, overrides: list[str], path):
-    """zerotrain's DeepSpeed JSON for ZeRO-3 with the optimizer and the parameters on the CPU, for
-    this run's settings, as a file for `deepspeed: path`."""
-    from zerotrain.planner.deepspeed_json import deepspeed_config
-    from zerotrain.planner.memory import Layout
-
-    run = train.run_config(*overrides)
-    micro = 1
-    layout = Layout(case.stage, offload_optimizer="cpu", offload_param="cpu", micro_batch=micro,
-                    accumulation=run.training.global_batch_size // (micro * train.world), optimizer=case.optimizer)
-    path.write_text(json.dumps(deepspeed_config(layout, run, train.world), indent=2))
-    return path
 
 
 def stepped_by_cpu_adam(checkpoint) -> bool:

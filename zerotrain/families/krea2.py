@@ -22,7 +22,7 @@ What sets it apart:
 
 Fine-tuning: train on Raw, as Krea's model card says ("the checkpoint you should use for fine-tuning,
 post-training, and LoRA training"); a LoRA trained on Raw loads into Turbo, which renders it in 8 steps
-(tests/distributed/test_train_krea2.py). Turbo itself trains too, as any distilled checkpoint does, at
+(tests/distributed/test_train_table.py, row krea2). Turbo itself trains too, as any distilled checkpoint does, at
 the cost of its few-step behaviour.
 
 LoRA defaults to the training script's targets (the Krea 2 authors' recommendation): the block
