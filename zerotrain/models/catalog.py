@@ -15,7 +15,7 @@ from typing import Any
 
 from zerotrain import families
 from zerotrain.config.sections import ModelConfig
-from zerotrain.errors import ZerotrainError
+from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.protocols import ModelSpec
 
 _CATALOG_DIR = Path(__file__).with_name("catalog")
@@ -256,9 +256,9 @@ def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path | None:
             f"it is not in the local hub cache; connect and retry, {instead}"
         ) from err
     except HFValidationError as err:
-        raise ZerotrainError(f"{where}: not a valid hub id ({_one_line(err)}); {instead}") from err
+        raise ZerotrainError(f"{where}: not a valid hub id ({one_line(err)}); {instead}") from err
     except HfHubHTTPError as err:
-        raise ZerotrainError(f"{where}: the hub answered {_one_line(err)}; {instead}") from err
+        raise ZerotrainError(f"{where}: the hub answered {one_line(err)}; {instead}") from err
 
 
 def _denoiser_component(index: dict[str, Any], where: Path | str) -> str:
@@ -341,11 +341,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise ZerotrainError(f"{_FIELD}: {path} is not valid JSON ({err}); fix or replace the file") from err
     except (OSError, UnicodeDecodeError) as err:
-        raise ZerotrainError(f"{_FIELD}: cannot read {path} ({_one_line(err)})") from err
+        raise ZerotrainError(f"{_FIELD}: cannot read {path} ({one_line(err)})") from err
     if not isinstance(data, dict):
         raise ZerotrainError(f"{_FIELD}: {path} must hold a JSON object, found {type(data).__name__}")
     return data
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
