@@ -60,10 +60,10 @@ def test_json_output_and_cache(capsys):
 
 
 def test_the_json_plan_states_the_model_it_planned_for(capsys):
-    """plan --json's "model": the denoiser's exact parameter counts (the catalog's, test_catalog.PARAMETERS),
+    """plan --json's "model": the denoiser's exact parameter counts (the catalog's, as test_families.py counts them),
     name, family, tokens per sample (tiny-flux: 192 px through its 2x VAE in 2x2 patches), and where the facts
     came from (traced, then cached; shipped)."""
-    from tests.unit.test_catalog import PARAMETERS
+    parameters = {"tiny-flux": 78_544, "flux-dev": 11_901_408_320}
 
     def planned(*args):
         assert main(["plan", *args, "--gpus", "1xH100-80GB", "--json"]) in (0, 1)
@@ -71,13 +71,13 @@ def test_the_json_plan_states_the_model_it_planned_for(capsys):
 
     first = planned("--model", "tiny-flux", "--resolution", "192", "--mode", "full")
     assert first == {"name": "tiny-flux", "family": "flux", "class": "FluxTransformer2DModel",
-                     "total_params": PARAMETERS["tiny-flux"], "trainable_params": PARAMETERS["tiny-flux"],
+                     "total_params": parameters["tiny-flux"], "trainable_params": parameters["tiny-flux"],
                      "frozen_params": 0, "image_tokens": 48 * 48, "text_tokens": 512, "reference_tokens": 0,
                      "facts_source": "traced", "calibration": None}
     assert planned("--model", "tiny-flux", "--resolution", "192", "--mode", "full")["facts_source"] == "cached"
     lora = planned("--model", "flux-dev", "--resolution", "1024", "--mode", "lora")
-    assert lora["total_params"] == PARAMETERS["flux-dev"] + lora["trainable_params"] and lora["facts_source"] == "shipped"
-    assert lora["frozen_params"] == PARAMETERS["flux-dev"] and 0 < lora["trainable_params"] < 10**8
+    assert lora["total_params"] == parameters["flux-dev"] + lora["trainable_params"] and lora["facts_source"] == "shipped"
+    assert lora["frozen_params"] == parameters["flux-dev"] and 0 < lora["trainable_params"] < 10**8
     edit = planned("--model", "flux-kontext-dev", "--resolution", "1024", "--mode", "lora", "--references", "1")
     assert (edit["image_tokens"], edit["reference_tokens"]) == (4096, 4096)
 

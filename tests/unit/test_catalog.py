@@ -1,4 +1,4 @@
-"""The model catalog and model resolution: every entry builds to the published parameter count, tiny
+"""The model catalog and model resolution (each entry's published parameter count is test_families.py's table): tiny
 entries run on CPU, and local folders, bare config.json files and hub ids resolve or fail in one line."""
 
 from __future__ import annotations
@@ -20,56 +20,6 @@ from zerotrain.protocols import ModelSpec
 
 CATALOG_DIR = Path(__file__).resolve().parents[2] / "zerotrain" / "models" / "catalog"
 
-# sum(p.numel() for p in model.parameters()) of the diffusers 0.42 classes built from each config on
-# the meta device. flux-dev, sdxl-base and sd1.5 match the published figures exactly (11.9B, 2.57B,
-# 859,520,964). The SD3.5 figures exclude the fixed sin-cos `pos_embed` buffer that the published
-# "8.1B" / "2.5B" include: 192*192*2432 = 89,653,248 (large) and 384*384*1536 = 226,492,416 (medium).
-# flux-schnell is dev without the guidance embedder (2 x Linear: 256*3072+3072 + 3072*3072+3072).
-PARAMETERS = {
-    "flux-dev": 11_901_408_320,
-    "flux-schnell": 11_891_178_560,
-    # FLUX.1 Kontext [dev] is FLUX.1 [dev]'s architecture (black-forest-labs/FLUX.1-Kontext-dev transformer/config.json).
-    "flux-kontext-dev": 11_901_408_320,
-    "tiny-flux-kontext": 78_544,
-    "sd3.5-large": 8_056_627_520,
-    "sd3.5-medium": 2_243_171_520,
-    "sdxl-base": 2_567_463_684,
-    "sd1.5": 859_520_964,
-    "tiny-flux": 78_544,
-    "tiny-sd3": 88_320,
-    "tiny-sdxl": 1_012_324,
-    "qwen-image": 20_430_401_088,
-    # The Qwen-Image-Edit models are Qwen-Image's architecture (Edit-2511 adds zero_cond_t, no parameters).
-    "qwen-image-edit": 20_430_401_088,
-    "qwen-image-edit-2509": 20_430_401_088,
-    "qwen-image-edit-2511": 20_430_401_088,
-    "tiny-qwen-image": 92_448,
-    "tiny-qwen-image-edit-2511": 92_448,  # tiny-qwen-image's transformer with zero_cond_t (no parameter of its own)
-    "flux2-dev": 32_223_281_152,
-    "flux2-klein-4b": 3_875_544_576,
-    "flux2-klein-9b": 9_078_581_248,
-    "tiny-flux2": 104_128,
-    "tiny-flux2-klein": 102_080,
-    "z-image": 6_154_908_736,
-    "z-image-turbo": 6_154_908_736,
-    "tiny-z-image": 364_176,
-    "chroma": 8_899_983_424,
-    "tiny-chroma": 45_808,
-    # Krea 2 Turbo is Krea 2 Raw distilled: the same architecture (the class defaults).
-    "krea-2-raw": 12_820_073_036,
-    "krea-2-turbo": 12_820_073_036,
-    "tiny-krea2": 41_138,
-    # Ideogram 4's conditional transformer (the class defaults); the pipeline's unconditional one is a second.
-    "ideogram-4": 9_279_288_448,
-    "tiny-ideogram4": 36_368,
-    # FLUX.3 [klein] Base is the class defaults; [klein] is it distilled into a flow map, which adds the
-    # target timestep's embedder (256 -> 3072 -> 3072).
-    "flux3-klein-base": 5_538_458_368,
-    "flux3-klein": 5_548_681_984,
-    "tiny-flux3": 94_880,
-    "qwen-image-2.1": 7_115_124_736,
-    "tiny-qwen-image21": 43_360,
-}
 TINY = ["tiny-flux", "tiny-sd3", "tiny-sdxl"]
 
 
@@ -134,10 +84,6 @@ def save_tiny_pipeline(name: str, folder: Path) -> ModelSpec:
     return spec
 
 
-def test_catalog_names_cover_every_architecture():
-    assert catalog_names() == sorted(PARAMETERS)
-
-
 @pytest.mark.parametrize("first", ["zerotrain.families", "zerotrain.families.flux2", "zerotrain.models.catalog"])
 def test_every_family_is_in_the_catalog_whatever_is_imported_first(first):
     """Once, importing zerotrain.families first left FLUX.2 out: flux2 imported models.tiny_parts, whose
@@ -148,18 +94,7 @@ def test_every_family_is_in_the_catalog_whatever_is_imported_first(first):
     assert "flux2" in denoiser_families().values()
 
 
-@pytest.mark.parametrize("name", sorted(PARAMETERS))
-def test_catalog_entry_builds_on_meta_with_published_parameter_count(name):
-    spec = spec_of(name)
-    assert spec.source == "catalog" and spec.name == name
-    assert spec.family == denoiser_families()[spec.class_name] == denoiser_families()[spec.config["_class_name"]]
-    with torch.device("meta"):
-        model = spec.denoiser_class().from_config(spec.config)
-    assert type(model).__name__ == spec.class_name
-    assert count_parameters(model) == PARAMETERS[name]
-
-
-@pytest.mark.parametrize("name", sorted(PARAMETERS))
+@pytest.mark.parametrize("name", catalog_names())
 def test_catalog_vae_facts_agree_with_denoiser(name, tmp_path):
     """The latent channels a bare denoiser config implies equal the catalog's VAE facts; for the
     published models the family defaults equal them too."""
@@ -216,9 +151,11 @@ def test_saved_folder_resolves_from_model_index(name, tmp_path):
     for key, value in saved.config.items():
         if not key.startswith("_"):
             assert spec.config[key] == value, key
-    # What resolution finds is what from_pretrained loads.
+    # What resolution finds is what from_pretrained loads: the saved weights.
     model = spec.denoiser_class().from_pretrained(spec.pretrained, subfolder=spec.subfolder)
-    assert count_parameters(model) == PARAMETERS[name]
+    with torch.device("meta"):
+        built = saved.denoiser_class().from_config(saved.config)
+    assert count_parameters(model) == count_parameters(built) > 0
 
 
 def test_denoiser_folder_and_its_config_json_resolve(tmp_path):

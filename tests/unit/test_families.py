@@ -79,6 +79,9 @@ class Family:
     # The cache: each caption's rows as the pipeline encodes them, without its padding (None: not checked here),
     # their shape after the batch and text dimensions, and assert_close's tolerances for them (None: exactly equal).
     text_rows: Callable[[Any, list[str], int], list[torch.Tensor]] | None = None
+    # Or, for a family whose cache is the pipeline's padded tensors (a pooled vector, no mask): what its
+    # encode_prompt gives for the captions, under the cache's keys.
+    text_encoded: Callable[[Any, list[str], int], dict[str, torch.Tensor]] | None = None
     text_shape: tuple[int, ...] = ()
     text_tolerance: dict[str, float] | None = None
     # The cached latents' mean and std as the pipeline's VAE gives them for pixels (std None: not checked).
@@ -110,6 +113,10 @@ class Family:
     lora_keys: frozenset[str] | None = None
     lora_check: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None
     lora_loader: Callable[[Path], Any] | None = None
+    # A file in kohya's names (this prefix, the diffusers path with "_"), which diffusers' lora_state_dict does
+    # not give back in peft's layout: checked by those names and their products instead.
+    lora_kohya: str | None = None
+    lora_read: bool = True  # diffusers' lora_state_dict reads the file (False: lora_check checks it alone)
     # The ComfyUI model: names it must hold, a check, and diffusers' reading of it back
     # (comfy, weights, folder, tmp_path) -> state dict.
     model_keys: frozenset[str] | None = None
@@ -202,12 +209,57 @@ def _qwen_image_rows(pipeline, captions, text_tokens):
     return rows
 
 
+def _flux_text(pipeline, captions, text_tokens):
+    embeds, pooled, text_ids = pipeline.encode_prompt(captions, device="cpu", max_sequence_length=text_tokens)
+    assert not text_ids.any()  # zeros: not cached
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+def _sd3_text(pipeline, captions, text_tokens):
+    embeds, _, pooled, _ = pipeline.encode_prompt(captions, None, None, device="cpu", do_classifier_free_guidance=False,
+                                                  max_sequence_length=text_tokens - 77)
+    # CLIP-L's 8 and CLIP-G's 16 wide, zero-padded to T5's 32 as SD3 pads 2048 to 4096.
+    assert embeds.shape[-1] == 32 and not embeds[:, :77, 24:].any()
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+def _sdxl_text(pipeline, captions, text_tokens):
+    embeds, _, pooled, _ = pipeline.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
+    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+def _flux_scheduler():
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    from zerotrain.families.parts.flux1 import FLUX_SCHEDULER
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(FLUX_SCHEDULER)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4), mu=calculate_shift(16 * 16))
+    return scheduler
+
+
+def _sd3_scheduler():
+    from zerotrain.families.sd3 import SD3_SCHEDULER
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(SD3_SCHEDULER)
+    scheduler.set_timesteps(4)  # StableDiffusion3Pipeline's: the static shift 3 applied
+    return scheduler
+
+
+def _packed(latents: torch.Tensor) -> torch.Tensor:
+    """Latents (B, C, h, w) as FluxPipeline._pack_latents packs them: 2x2 patches as tokens."""
+    from diffusers import FluxPipeline
+
+    b, c, h, w = latents.shape
+    return FluxPipeline._pack_latents(latents, b, c, h, w)
+
+
 def _shift_scale_latents(pipeline, pixels):
-    """shift_factor and scaling_factor: FLUX.1's VAE (the pipeline decodes latents / scaling + shift)."""
+    """shift_factor (None: 0) and scaling_factor: the pipeline decodes latents / scaling + shift."""
     with torch.no_grad():
         posterior = pipeline.vae.encode(pixels).latent_dist
     vae = pipeline.vae.config
-    return (posterior.mode() - vae.shift_factor) * vae.scaling_factor, posterior.std * vae.scaling_factor
+    return (posterior.mode() - (vae.shift_factor or 0.0)) * vae.scaling_factor, posterior.std * vae.scaling_factor
 
 
 def _krea2_latents(pipeline, pixels):
@@ -247,6 +299,29 @@ def _qwen21_bare(facts):
 
 def _krea2_lora(comfy, layers):
     assert not [k for k in comfy if "alpha" in k or "transformer_blocks" in k]
+
+
+def _flux_lora(comfy, layers):
+    """Black Forest Labs' names in kohya's file, fused layers stacking their parts' updates (zero where a part
+    is not adapted) as ComfyUI applies them: up @ down * alpha / rank. (diffusers' reader of these files assumes
+    FLUX.1's 3072 width, so it cannot read the tiny model's.)"""
+    def update(name):
+        down, up = comfy[f"lora_unet_{name}.lora_down.weight"], comfy[f"lora_unet_{name}.lora_up.weight"]
+        return up @ down * (comfy[f"lora_unet_{name}.alpha"] / down.shape[0])
+
+    def peft(module):
+        return layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (8.0 / 4)
+
+    double, single = "transformer_blocks.0", "single_transformer_blocks.0"
+    torch.testing.assert_close(update("double_blocks_0_img_attn_qkv"),
+                               torch.cat([peft(f"{double}.attn.to_{p}") for p in "qkv"]))
+    torch.testing.assert_close(update("double_blocks_0_txt_attn_qkv"),
+                               torch.cat([peft(f"{double}.attn.add_{p}_proj") for p in "qkv"]))
+    torch.testing.assert_close(update("double_blocks_0_txt_mlp_2"), peft(f"{double}.ff_context.net.2"))
+    linear1 = update("single_blocks_0_linear1")  # q, k, v, then proj_mlp (no target: zero)
+    qkv = torch.cat([peft(f"{single}.attn.to_{p}") for p in "qkv"])
+    torch.testing.assert_close(linear1[:len(qkv)], qkv)
+    assert not linear1[len(qkv):].any() and linear1.shape[0] > len(qkv)
 
 
 def _ideogram4_lora(comfy, layers):
@@ -336,6 +411,29 @@ FAMILIES = [
         tiny="tiny-chroma", pipeline="ChromaPipeline", side=32, latents=_shift_scale_latents,
     ),
     Family(
+        "flux", "FluxTransformer2DModel",
+        # flux-dev and schnell match the published 11.9B; schnell is dev without the guidance embedder
+        # (256 * 3072 + 3072 + 3072 * 3072 + 3072); Kontext [dev] is dev's architecture.
+        parameters={"flux-dev": 11_901_408_320, "flux-schnell": 11_891_178_560, "flux-kontext-dev": 11_901_408_320,
+                    "tiny-flux": 78_544, "tiny-flux-kontext": 78_544},
+        spec={"flux-dev": FLUX1_VAE, "flux-schnell": FLUX1_VAE, "flux-kontext-dev": FLUX1_VAE,
+              "tiny-flux": {"vae_scale_factor": 2, "latent_channels": 4, "pixel_factor": 4}},
+        defaults=("flux-schnell",), omitted=True,
+        plan=("flux-dev", "8xH100-80GB", "full"),  # (1024 / 16)^2 tokens, FluxPipeline's 512 T5 tokens
+        # Every Linear of the double block; q, k, v of the single (its attention has no to_out).
+        bare=("tiny-flux", 64, True), bare_lora_modules=12 + 3,
+        bare_image_tokens=(64 // 16) ** 2,  # no vae/config.json: FLUX.1's 8x VAE, 2x2 packing
+        tiny="tiny-flux", pipeline="FluxPipeline", text_tokens=24, text_encoded=_flux_text,
+        latents=_shift_scale_latents,
+        shifts={n: _exp_mu(256, 4096, 0.5, 1.15, "diffusers.pipelines.flux.pipeline_flux")(n) for n in (16, 256, 4096)},
+        # FluxPipeline steps with the output as it is and passes timestep = t / 1000 (the transformer scales it back).
+        scheduler=_flux_scheduler, layout=_packed, time=("timestep", lambda t: t / 1000),
+        planner_out=(2, 16 * 16, 16), backprop=True,
+        # Distilled guidance 3.5: one prediction a step, no negative prompt.
+        guidance=3.5, cfg=False, png_text={"guidance_scale": "3.5"}, negative_keys=frozenset(),
+        lora=True, lora_read=False, lora_check=_flux_lora,
+    ),
+    Family(
         "flux2", "Flux2Transformer2DModel",
         parameters={"flux2-dev": 32_223_281_152, "flux2-klein-4b": 3_875_544_576, "flux2-klein-9b": 9_078_581_248,
                     "tiny-flux2": 104_128, "tiny-flux2-klein": 102_080},
@@ -350,7 +448,8 @@ FAMILIES = [
     ),
     Family(
         "flux3", "Flux3Transformer2DModel",
-        parameters={"flux3-klein-base": 5_538_458_368, "tiny-flux3": 94_880},
+        # [klein] is Base distilled into a flow map, which adds the target timestep's embedder (256 -> 3072 -> 3072).
+        parameters={"flux3-klein-base": 5_538_458_368, "flux3-klein": 5_548_681_984, "tiny-flux3": 94_880},
         # 8x VAE and 2x2 patches; the tiny VAE is 2x.
         spec={"flux3-klein-base": {"vae_scale_factor": 16, "vae_scaling_factor": None, "pixel_factor": 16},
               "tiny-flux3": {"vae_scale_factor": 4, "vae_scaling_factor": None, "pixel_factor": 4}},
@@ -432,10 +531,13 @@ FAMILIES = [
         "qwen_image", "QwenImageTransformer2DModel",
         # The published config (the class defaults) has 60 blocks of 339,831,296 plus 40,523,328 outside them;
         # the tiny one 2 blocks of width 32.
-        parameters={"qwen-image": 20_430_401_088, "tiny-qwen-image": 92_448},
+        # The Qwen-Image-Edit models are its architecture (Edit-2511 adds zero_cond_t, no parameter).
+        parameters={"qwen-image": 20_430_401_088, "tiny-qwen-image": 92_448, "qwen-image-edit": 20_430_401_088,
+                    "qwen-image-edit-2509": 20_430_401_088, "qwen-image-edit-2511": 20_430_401_088,
+                    "tiny-qwen-image-edit-2511": 92_448},
         spec={name: {"vae_scale_factor": 8, "latent_channels": 16, "vae_scaling_factor": None, "vae_shift_factor": None}
-              for name in ("qwen-image", "tiny-qwen-image")},
-        defaults=("qwen-image",), omitted=True,
+              for name in ("qwen-image", "tiny-qwen-image", "qwen-image-edit-2511")},
+        defaults=("qwen-image", "qwen-image-edit", "qwen-image-edit-2509"), omitted=True,
         plan=("qwen-image", "8xH100-80GB", "lora"), plan_check=_qwen_image_plan,  # (1024 / 16)^2; the pipeline's 512
         bare=("tiny-qwen-image", 256, False),
         tiny="tiny-qwen-image", pipeline="QwenImagePipeline", text_tokens=32,
@@ -460,6 +562,46 @@ FAMILIES = [
         planner_out=(2, 12 + 4 * 4, 4), backprop=True,
         model_keys=frozenset({"transformer_blocks.0.img_mlp.gate_up.weight", "txt_in.text_norm.weight"}),
         model_check=_qwen21_model, read_back=_single_file_back("QwenImage21Transformer2DModel"),
+    ),
+    Family(
+        "sd3", "SD3Transformer2DModel",
+        # Without the fixed sin-cos pos_embed buffer the published "8.1B" / "2.5B" count:
+        # 192 * 192 * 2432 = 89,653,248 (large) and 384 * 384 * 1536 = 226,492,416 (medium).
+        parameters={"sd3.5-large": 8_056_627_520, "sd3.5-medium": 2_243_171_520, "tiny-sd3": 88_320},
+        spec={name: {"vae_scale_factor": 8, "latent_channels": 16, "vae_scaling_factor": 1.5305,
+                     "vae_shift_factor": 0.0609, "pixel_factor": 16} for name in ("sd3.5-large", "sd3.5-medium")},
+        plan=("sd3.5-large", "8xH100-80GB", "lora"), plan_tokens=(64 * 64, 77 + 256),
+        # The 8 targets of the first joint block; the last is context_pre_only (no to_add_out).
+        bare=("tiny-sd3", 64, True), bare_lora_modules=8 + 7,
+        tiny="tiny-sd3", pipeline="StableDiffusion3Pipeline", text_tokens=77 + 16, text_encoded=_sd3_text,
+        latents=_shift_scale_latents,
+        shifts={256: 3.0, 4096: 3.0}, shift_exact=True,
+        # StableDiffusion3Pipeline passes the scheduler's timestep (sigma * 1000) and steps with the output as it is.
+        scheduler=_sd3_scheduler, layout=lambda latents: latents, time=("timestep", lambda t: t),
+        planner_out=(2, 16, 32, 32), backprop=True,
+        guidance=7.0, cfg=True, png_text={"guidance_scale": "7.0", "negative_prompt": ""},
+        negative_keys=frozenset({"prompt_embeds", "pooled_prompt_embeds"}),
+        # OneTrainer's names, which ComfyUI maps (diffusers reads them not).
+        lora=True, lora_kohya="lora_transformer_",
+    ),
+    Family(
+        "unet", "UNet2DConditionModel",
+        # sdxl-base and sd1.5 (plan only) match the published 2.57B and 859,520,964.
+        parameters={"sdxl-base": 2_567_463_684, "sd1.5": 859_520_964, "tiny-sdxl": 1_012_324},
+        # A UNet halves the latents once a down block after the first: 8x VAE times 2^2 (SDXL), 2^3 (SD1.5).
+        spec={"sdxl-base": {"vae_scale_factor": 8, "latent_channels": 4, "vae_scaling_factor": 0.13025,
+                            "vae_shift_factor": None, "pixel_factor": 32},
+              "sd1.5": {"vae_scaling_factor": 0.18215, "pixel_factor": 64}},
+        plan=("sdxl-base", "1xRTX4090-24GB", "lora"), plan_tokens=(128 * 128, 77),
+        # q, k, v and out of self- and cross-attention in the tiny UNet's 4 transformer blocks.
+        bare=("tiny-sdxl", 64, True), bare_lora_modules=4 * 2 * 4,
+        tiny="tiny-sdxl", pipeline="StableDiffusionXLPipeline", text_tokens=77, text_encoded=_sdxl_text,
+        latents=_shift_scale_latents,
+        planner_out=(2, 4, 32, 32), backprop=True,
+        # Classifier-free guidance 5 with zero negative embeddings (force_zeros_for_empty_prompt), as the pipeline.
+        guidance=5.0, cfg=True, png_text={"guidance_scale": "5.0", "negative_prompt": ""},
+        negative_keys=frozenset({"prompt_embeds", "pooled_prompt_embeds"}),
+        lora=True, lora_kohya="lora_unet_", lora_loader=diffusers.StableDiffusionXLPipeline.from_pretrained,
     ),
     Family(
         "z_image", "ZImageTransformer2DModel",
@@ -525,7 +667,9 @@ def encoders(folder):
 
 
 def transformer(folder: Path) -> torch.nn.Module:
-    return spec_of(folder).denoiser_class().from_pretrained(folder, subfolder="transformer")
+    """The tiny model's denoiser (a transformer, or SDXL's UNet), loaded anew."""
+    spec = spec_of(folder)
+    return spec.denoiser_class().from_pretrained(folder, subfolder=of(spec).denoiser_folder)
 
 
 def objective_of(row: Family, folder: Path):
@@ -537,7 +681,9 @@ def cached_batch(row: Family, folder: Path, encoders) -> dict[str, torch.Tensor]
     spec = spec_of(folder)
     grid = row.side // spec.vae_scale_factor
     shape = (len(row.captions), spec.latent_channels, grid, grid)
+    sizes = torch.tensor([[row.side, row.side]] * len(row.captions))  # (height, width): SDXL's time ids
     return {"latent_mean": torch.randn(shape, generator=gen(1)), "latent_std": torch.full(shape, row.latent_std),
+            "original_size": sizes, "crop_top_left": torch.zeros_like(sizes), "target_size": sizes,
             **encode_prompts(encoders, list(row.captions), row.text_tokens)}
 
 
@@ -555,6 +701,15 @@ def test_catalog_entry_builds_on_meta_with_the_published_count(row, name):
     methods = {"pixel_factor": family.pixel_factor, "image_tokens_1024": lambda s: family.image_tokens(s, 1024)}
     facts = row.spec.get(name, {})
     assert {key: methods[key](spec) if key in methods else getattr(spec, key) for key in facts} == facts
+
+
+def test_every_catalog_model_and_family_has_a_row():
+    from zerotrain.families import all_families
+    from zerotrain.models.catalog import catalog_names
+
+    counted = [name for row in FAMILIES for name in row.parameters]
+    assert sorted(counted) == catalog_names(), "a catalog model without its count in a row, or in two rows"
+    assert sorted(row.name for row in FAMILIES) == sorted(family.name for family in all_families())
 
 
 @pytest.mark.parametrize("row", rows("defaults"))
@@ -641,6 +796,18 @@ def test_cached_captions_are_the_pipelines_rows_without_the_padding(row, pipelin
         assert not cached["prompt_embeds"][i, n:].any()
 
 
+@pytest.mark.parametrize("row", rows("text_encoded"), indirect=True)
+def test_cached_captions_are_the_pipelines_encode_prompt(row, pipeline, encoders):
+    captions = list(row.captions)
+    cached = encode_prompts(encoders, captions, row.text_tokens)
+    with torch.no_grad():
+        own = row.text_encoded(pipeline, captions, row.text_tokens)
+    assert list(cached) == list(own) and cached["prompt_embeds"].shape[:2] == (len(captions), row.text_tokens)
+    for key, tensor in own.items():
+        torch.testing.assert_close(cached[key], tensor, msg=key)
+    assert not torch.equal(cached["prompt_embeds"][0], cached["prompt_embeds"][1])
+
+
 @pytest.mark.parametrize("row", rows("latents"), indirect=True)
 def test_cached_latents_are_the_vaes_normalized(row, pipeline, encoders):
     pixels = torch.rand(2, 3, row.side, row.side, generator=gen(4)) * 2 - 1
@@ -718,7 +885,7 @@ def test_validation_renders_what_the_pipeline_renders_from_the_prompt(row, folde
     assert validator.cfg is row.cfg and validator.guidance_scale == row.guidance
     if row.negative_keys is not None:
         assert set(validator.negative_embeds) == row.negative_keys
-    path = validator.render(pipeline.transformer, 0, tmp_path)[0]
+    path = validator.render(getattr(pipeline, of(spec_of(folder)).denoiser_folder), 0, tmp_path)[0]
     rendered = check_image(path, row.side, {"prompt": prompt, **row.png_text})
     direct = pipeline(prompt, height=row.side, width=row.side, num_inference_steps=2, guidance_scale=row.guidance,
                       generator=gen(3), **row.pipeline_call).images[0]
@@ -743,14 +910,21 @@ def test_comfyui_lora_is_the_same_adapter_diffusers_reads_back(row, folder):
     assert (row.lora_keys or frozenset()) <= comfy.keys()
     if row.lora_check:
         row.lora_check(comfy, layers)
-    state = getattr(diffusers, row.pipeline).lora_state_dict(dict(comfy))  # diffusers' reader of the family's layout
-    state = state[0] if isinstance(state, tuple) else state
     modules = {k.removesuffix(".lora_A.weight") for k in layers if k.endswith(".lora_A.weight")}
-    assert {k.removeprefix("transformer.").rsplit(".", 2)[0] for k in state} == modules
-    for module in modules:
-        expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank)
-        got = state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"]
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    expected = {m: layers[f"{m}.lora_B.weight"] @ layers[f"{m}.lora_A.weight"] * (alpha / rank) for m in modules}
+    if row.lora_kohya:
+        names = {m: row.lora_kohya + m.replace(".", "_") for m in modules}
+        assert set(comfy) == {f"{names[m]}.{s}" for m in modules for s in ("lora_down.weight", "lora_up.weight", "alpha")}
+        for module, name in names.items():
+            got = comfy[f"{name}.lora_up.weight"] @ comfy[f"{name}.lora_down.weight"] * (comfy[f"{name}.alpha"] / rank)
+            torch.testing.assert_close(got, expected[module], rtol=1e-5, atol=1e-6)
+    elif row.lora_read:
+        state = getattr(diffusers, row.pipeline).lora_state_dict(dict(comfy))  # diffusers' reader of the layout
+        state = state[0] if isinstance(state, tuple) else state
+        assert {k.removeprefix("transformer.").rsplit(".", 2)[0] for k in state} == modules
+        for module in modules:
+            got = state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"]
+            torch.testing.assert_close(got, expected[module], rtol=1e-5, atol=1e-6)
     if row.lora_loader:  # and the pipeline loads the file (a pipeline of its own: the adapter stays in its transformer)
         row.lora_loader(folder).load_lora_weights(dict(comfy))
 
