@@ -4,7 +4,8 @@ flow-matching objective (`FlowObjective`).
 
 `Family` is composed of small protocols, one per part of a family: `DenoiserModel` (the model, its latents
 and tiny model), its VAE part `LatentCodec` (a component of its own, shared between families), `TextConditioning`,
-`Objective`, `References` (edit training), `Validation` and `KeyMaps` (export names).
+`Objective`, `References` (edit training), `Validation` (the pipeline and its renders) and `KeyMaps`
+(export names).
 
 Layers point one way: zerotrain.families implements `Family` on top of this module, zerotrain.models
 resolves models into `ModelSpec`s by asking the families, and zerotrain.objectives drives a family's
@@ -153,14 +154,16 @@ class DenoiserModel(Protocol):
     denoiser_classes: ClassVar[tuple[str, ...]]
     """The diffusers denoiser classes this family trains."""
 
+    default_for_class: ClassVar[bool]
+    """Whether a config of one of denoiser_classes that names no family trains with this one. Each class has
+    one such family; a second family of a class sets False, and its configs name it with the private key
+    "_zerotrain_family" (zerotrain.families.for_config)."""
+
     denoiser_folder: ClassVar[str]
     """The denoiser's subfolder in a diffusers model folder, and its pipeline component name."""
 
     codec: ClassVar[LatentCodec]
     """The VAE part (zerotrain.families.parts.latents): its class, facts, posterior and normalization."""
-
-    pipeline: ClassVar[str]
-    """The diffusers pipeline: its encode_prompt, its validation images, its LoRA file format."""
 
     default_in_channels: ClassVar[int]
     """The denoiser class's own default in_channels, when a config leaves it out."""
@@ -201,10 +204,6 @@ class DenoiserModel(Protocol):
     def plan_only(self, spec: ModelSpec) -> str | None:
         """What kind of model zerotrain can plan but not cache or train, when this is one (in words:
         "SD 1.x/2.x UNets"); None when it trains it."""
-        ...
-
-    def pipeline_name(self, spec: ModelSpec) -> str:
-        """The diffusers pipeline class of this model."""
         ...
 
     def default_lora_targets(self, spec: ModelSpec) -> list[str]:
@@ -401,7 +400,15 @@ class References(Protocol):
 
 
 class Validation(Protocol):
-    """Validation images: the pipeline that renders them from cached conditioning, and its guidance."""
+    """The pipeline (whose encode_prompt the cache runs and whose LoRA format export writes) and the
+    validation images it renders from cached conditioning, with its guidance."""
+
+    pipeline: ClassVar[str]
+    """The diffusers pipeline: its encode_prompt, its validation images, its LoRA file format."""
+
+    def pipeline_name(self, spec: ModelSpec) -> str:
+        """The diffusers pipeline class of this model."""
+        ...
 
     default_guidance: ClassVar[float]
     """The pipeline __call__'s default guidance_scale."""

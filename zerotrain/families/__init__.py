@@ -4,26 +4,36 @@ adding a module here (plus its catalog configs and tests); every module of this 
 FAMILY is found at import.
 
 The rest of zerotrain asks `of(spec)` for the family of a resolved model and never tests a family's
-name."""
+name. A model resolves to its family by its denoiser config (for_config): the family its private key
+"_zerotrain_family" names, or else the one family that trains its class by default (by_class), so that two
+families may train one diffusers class."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from functools import cache
+from typing import Any
 
 from zerotrain.errors import ZerotrainError
 from zerotrain.protocols import Family, LatentCodec, ModelSpec, protocol_members
 
 __all__ = [
+    "FAMILY_KEY",
     "all_families",
     "by_class",
     "by_name",
     "check_family",
     "check_resolution",
     "example_inputs",
+    "for_config",
     "of",
 ]
+
+# The denoiser config's private key that names its family, beside diffusers' own _class_name and
+# _diffusers_version: from_config ignores it, save_pretrained keeps it.
+FAMILY_KEY = "_zerotrain_family"
 
 
 @cache
@@ -38,7 +48,20 @@ def all_families() -> tuple[Family, ...]:
             continue
         check_family(family, f"{__name__}.{module.name}.FAMILY")
         found.append(family)
+    _check_defaults(found)
     return tuple(found)
+
+
+def _check_defaults(found: list[Family]) -> None:
+    """One line unless every denoiser class has exactly one family that trains it by default."""
+    for class_name in dict.fromkeys(c for family in found for c in family.denoiser_classes):
+        trains = [family for family in found if class_name in family.denoiser_classes]
+        defaults = [family.name for family in trains if family.default_for_class]
+        if len(defaults) != 1:
+            raise TypeError(
+                f"{class_name} is trained by {', '.join(f.name for f in trains)}, of which "
+                f"{', '.join(defaults) or 'none'} by default (default_for_class); exactly one must be, and "
+                f"the others' configs name them with \"{FAMILY_KEY}\"")
 
 
 def check_family(family: object, where: str) -> None:
@@ -56,8 +79,31 @@ _CODEC_MEMBERS = protocol_members(LatentCodec)
 
 
 def by_class(class_name: str) -> Family | None:
-    """The family that trains this diffusers denoiser class, if any."""
-    return next((f for f in all_families() if class_name in f.denoiser_classes), None)
+    """The family that trains this diffusers denoiser class by default (default_for_class), if any."""
+    return next((f for f in all_families() if class_name in f.denoiser_classes and f.default_for_class), None)
+
+
+def for_config(config: dict[str, Any], where: str) -> Family:
+    """The family of a denoiser config (a catalog entry's "denoiser", a config.json), whose _class_name zerotrain
+    trains: the one its FAMILY_KEY names, else its class's default. `where` (the field and file) starts the one
+    line that refuses a name that is no family, or a family that does not train the class."""
+    class_name = config["_class_name"]
+    named = config.get(FAMILY_KEY)
+    if named is None:
+        family = by_class(class_name)
+        if family is None:
+            raise ZerotrainError(f"{where}: zerotrain trains no {class_name}")
+        return family
+    family = next((f for f in all_families() if f.name == named), None)
+    if family is None:
+        known = ", ".join(f.name for f in all_families())
+        raise ZerotrainError(f"{where}: \"{FAMILY_KEY}\": {json.dumps(named)} names no model family (zerotrain "
+                             f"knows {known}); name one of them, or remove the key to train {class_name}'s default")
+    if class_name not in family.denoiser_classes:
+        others = ", ".join(f.name for f in all_families() if class_name in f.denoiser_classes)
+        raise ZerotrainError(f"{where}: \"{FAMILY_KEY}\": \"{named}\" trains {', '.join(family.denoiser_classes)}, "
+                             f"not {class_name}; name a family of {class_name} ({others}), or remove the key")
+    return family
 
 
 def by_name(name: str) -> Family:

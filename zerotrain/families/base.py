@@ -39,6 +39,7 @@ class BaseFamily:
     for a flow-matching family; published_vae, where its codec has no one published VAE)."""
 
     name: ClassVar[str]
+    default_for_class: ClassVar[bool] = True
     denoiser_folder: ClassVar[str] = "transformer"
     codec: ClassVar[LatentCodec] = AUTOENCODER_KL
     text_outputs: ClassVar[tuple[str, ...]] = ("prompt_embeds", "pooled_prompt_embeds")

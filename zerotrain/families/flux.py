@@ -1,84 +1,30 @@
-"""FLUX.1 (dev, schnell and fine-tunes): FluxTransformer2DModel, FLUX.1's AutoencoderKL, CLIP-L's pooled
-output and T5's sequence, as FluxPipeline and diffusers' train_dreambooth_flux.py use them."""
+"""FLUX.1 (dev, schnell and fine-tunes) and FLUX.1 Kontext: FLUX.1's parts (parts.flux1.Flux1: FluxTransformer2DModel,
+FLUX.1's AutoencoderKL, CLIP-L's pooled output and T5's sequence, as FluxPipeline and diffusers'
+train_dreambooth_flux.py use them), FluxPipeline's defaults, and Kontext's reference image."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from zerotrain.families.base import area_size, check_tokens, example_timestep, meta_or_random, text_and_pooled
-from zerotrain.families.parts.flux1 import (
-    FLUX_SCHEDULER,
-    MAX_T5_TOKENS,
-    Flux1Transformer,
-    bfl_lora,
-    flux_top_module,
-    latent_image_ids,
-    pack_latents,
-)
+from zerotrain.families.base import area_size
+from zerotrain.families.parts.flux1 import Flux1, latent_image_ids, pack_latents
 
 if TYPE_CHECKING:
-    from zerotrain.protocols import FlowObjective, ModelSpec
+    from zerotrain.protocols import ModelSpec
 
 # FLUX.1 Kontext: FluxTransformer2DModel rendered by this pipeline, which appends one image's latents.
 KONTEXT_PIPELINE = "FluxKontextPipeline"
 
 
-class Flux(Flux1Transformer):
+class Flux(Flux1):
     name = "flux"
     title = "FLUX.1"
     denoiser_classes = ("FluxTransformer2DModel",)
     pipeline = "FluxPipeline"
-    text_components = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
     # FluxPipeline's max_sequence_length=512 T5 tokens.
     default_text_tokens = 512
     # FluxPipeline.__call__'s guidance_scale (distilled guidance, one prediction per step).
     default_guidance = 3.5
-    classifier_free_guidance = False
-
-    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
-        """prompt_embeds (B, T, d_T5): T5's sequence of max_sequence_length = text_tokens tokens;
-        pooled_prompt_embeds (B, d_CLIP), CLIP-L's pooled output. The text ids are zeros and not kept."""
-        check_tokens(text_tokens, 1, MAX_T5_TOKENS, "T5 tokens for Flux")
-        prompt_embeds, pooled, _ = pipeline.encode_prompt(captions, device=device, max_sequence_length=text_tokens)
-        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
-
-    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-        import torch
-
-        b, _, h, w = x_t.shape
-        text, pooled = text_and_pooled(batch, b)
-        dtype = objective.model_dtype
-        # FluxPipeline passes timestep / 1000 = sigma; the transformer scales it (and guidance) by 1000.
-        kwargs = {
-            "hidden_states": pack_latents(x_t).to(dtype),
-            "encoder_hidden_states": text.to(dtype),
-            "pooled_projections": pooled.to(dtype),
-            "timestep": sigma,
-            "img_ids": latent_image_ids(h, w, x_t.device),
-            "txt_ids": torch.zeros(text.shape[1], 3, device=x_t.device),
-        }
-        if objective.spec.config.get("guidance_embeds", False):
-            kwargs["guidance"] = torch.full((b,), objective.config.guidance, device=x_t.device)
-        return kwargs, self.target_layout(target)
-
-    def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
-                       device: Any, dtype: Any) -> dict[str, Any]:
-        config = spec.config
-        tensor = meta_or_random(device, dtype)
-        t = example_timestep(tensor, batch, device)
-        lat_h, lat_w = height // spec.vae_scale_factor, width // spec.vae_scale_factor
-        tokens = (lat_h // 2) * (lat_w // 2)
-        inputs = {
-            "hidden_states": tensor(batch, tokens, int(config.get("in_channels", 64))),
-            "encoder_hidden_states": tensor(batch, text_tokens, int(config.get("joint_attention_dim", 4096))),
-            "pooled_projections": tensor(batch, int(config.get("pooled_projection_dim", 768))),
-            "timestep": t,
-            "img_ids": tensor(tokens, 3),
-            "txt_ids": tensor(text_tokens, 3),
-        }
-        if config.get("guidance_embeds", False):
-            inputs["guidance"] = t
-        return inputs
 
     # --- references: FLUX.1 Kontext --------------------------------------------------------------
 
@@ -121,30 +67,6 @@ class Flux(Flux1Transformer):
         if not self.max_references(spec):
             raise self._no_references(spec)
         return {"image": images[0], "_auto_resize": False, "max_area": size[0] * size[1]}
-
-    def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
-        """Kohya's Black Forest Labs names (bfl_lora), FLUX.1's modules outside the blocks included."""
-        return bfl_lora(model, pairs, alpha, flux_top_module, "Flux")
-
-    def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
-        """CLIP-L gives only its pooled output (pooled_projection_dim wide); T5 gives the sequence
-        (joint_attention_dim wide)."""
-        from transformers import CLIPTextModel, T5EncoderModel
-
-        from zerotrain.families.parts import tiny
-
-        clip, t5 = tiny.clip_tokenizer(tiny.CLIP_EOS), tiny.t5_tokenizer()
-        width = denoiser["pooled_projection_dim"]
-        return tiny.diffusers_class("FluxPipeline"), {
-            "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(FLUX_SCHEDULER),
-            "text_encoder": tiny.seeded("text_encoder", CLIPTextModel, tiny.clip_config(clip, width, width)),
-            "tokenizer": clip,
-            "text_encoder_2": tiny.seeded("text_encoder_2", T5EncoderModel,
-                                          tiny.t5_config(t5, denoiser["joint_attention_dim"])),
-            "tokenizer_2": t5,
-            "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config,
-                                       denoiser),
-        }
 
 
 FAMILY = Flux()

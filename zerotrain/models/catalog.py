@@ -30,9 +30,11 @@ PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
 
 @cache
 def denoiser_families() -> dict[str, str]:
-    """Denoiser class -> family name, for every family in zerotrain/families/ (asked when first needed, so
-    importing the catalog imports no family)."""
-    return {class_name: family.name for family in families.all_families() for class_name in family.denoiser_classes}
+    """Denoiser class -> the name of the family that trains it by default (a config names any other, see
+    families.for_config), for every family in zerotrain/families/ (asked when first needed, so importing the
+    catalog imports no family)."""
+    return {class_name: family.name for family in families.all_families() for class_name in family.denoiser_classes
+            if family.default_for_class}
 
 
 def _supported() -> str:
@@ -109,7 +111,7 @@ def _from_catalog(name: str) -> ModelSpec:
     vae = entry["vae"]
     return ModelSpec(
         name=name,
-        family=denoiser_families()[denoiser["_class_name"]],
+        family=families.for_config(denoiser, f"{_FIELD}='{name}': {_CATALOG_DIR / name}.json's denoiser").name,
         class_name=denoiser["_class_name"],
         config=denoiser,
         vae_scale_factor=vae["scale_factor"],
@@ -308,7 +310,7 @@ def _spec(
             f"{_FIELD}: {denoiser_path} has _class_name '{class_name}', which zerotrain does not "
             f"support; supported: {_supported()}"
         )
-    family = families.by_class(class_name)
+    family = families.for_config(config, f"{_FIELD}: {denoiser_path}")
     latent_channels = family.latent_channels(config, denoiser_path)
     if vae_path is None:
         vae = family.published_vae(config)

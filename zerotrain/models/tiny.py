@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from zerotrain import families
-from zerotrain.models.catalog import _catalog_entry, catalog_names, pipeline_index
 from zerotrain.families.parts.tiny import diffusers_class, seeded
+from zerotrain.models.catalog import _catalog_entry, catalog_names, pipeline_index
 
 # The catalog's tiny models: every entry named tiny-*.
 TINY_NAMES = tuple(name for name in catalog_names() if name.startswith("tiny-"))
@@ -34,7 +34,9 @@ def build_tiny_pipeline(name: str, folder: Path) -> Path:
     if name not in TINY_NAMES:
         raise ValueError(f"build_tiny_pipeline: '{name}' is not one of {', '.join(TINY_NAMES)}")
     entry = _catalog_entry(name)
-    family = families.by_class(entry["denoiser"]["_class_name"])
+    # The denoiser's config.json keeps the family's key (families.FAMILY_KEY), as from_config registers
+    # private keys and save_pretrained writes them: the folder resolves to this family.
+    family = families.for_config(entry["denoiser"], f"catalog entry {name}")
     with torch.random.fork_rng(devices=[]):
         pipeline_class, components = family.tiny_components(entry["denoiser"])
         if entry.get("pipeline"):  # an edit pipeline around the family's components (FluxKontextPipeline)

@@ -52,10 +52,12 @@ def _measurement(spec: ModelSpec, run: RunConfig, text_tokens: int) -> dict[str,
 
 
 def architecture(config: dict[str, Any]) -> dict[str, Any]:
-    """A denoiser config as far as it shapes the model: its _class_name and arguments, without the private
-    keys diffusers writes beside them (_diffusers_version, _name_or_path, ...), which from_config ignores.
-    So a fine-tune's config.json has its base model's key."""
-    return {key: value for key, value in config.items() if key == "_class_name" or not key.startswith("_")}
+    """A denoiser config as far as it shapes the model and its training: its _class_name, the family it names
+    (families.FAMILY_KEY: facts of one family never serve another of the same class) and its arguments,
+    without the private keys diffusers writes beside them (_diffusers_version, _name_or_path, ...), which
+    from_config ignores. So a fine-tune's config.json has its base model's key."""
+    kept = ("_class_name", families.FAMILY_KEY)
+    return {key: value for key, value in config.items() if key in kept or not key.startswith("_")}
 
 
 def _digest(payload: dict[str, Any]) -> str:

@@ -1,6 +1,8 @@
 """FLUX.1's transformer part, which Flux (and Kontext) and Chroma share: its 2x2 latent packing and position ids
 (FluxPipeline's), its published scheduler and T5 limit, Black Forest Labs' module names (as ComfyUI and kohya name
-them) and kohya LoRAs in them, and `Flux1Transformer`, the defaults of a FLUX.1-shaped denoiser."""
+them) and kohya LoRAs in them, and `Flux1Transformer`, the defaults of a FLUX.1-shaped denoiser; and `Flux1`, a
+FluxTransformer2DModel as FluxPipeline runs it (CLIP-L's pooled output and T5's sequence), which a FLUX.1 family
+subclasses with its own name, pipeline and defaults."""
 
 from __future__ import annotations
 
@@ -10,7 +12,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.base import BaseFamily, kohya_lora, packed_channels
+from zerotrain.families.base import (
+    BaseFamily,
+    check_tokens,
+    example_timestep,
+    kohya_lora,
+    meta_or_random,
+    packed_channels,
+    text_and_pooled,
+)
 from zerotrain.families.parts.keymaps import fuse_lora, swap_halves
 from zerotrain.families.parts.latents import PUBLISHED_VAE_SCALE_FACTOR, pack_2x2
 from zerotrain.protocols import VaeFacts
@@ -20,7 +30,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from zerotrain.protocols import ModelSpec
+    from zerotrain.protocols import FlowObjective, ModelSpec
 
 # Flux packs each 2x2 patch of latents into one token (FluxPipeline._pack_latents), so in_channels is
 # 4 x the VAE's latent channels (64 = 4 x 16 for FLUX.1).
@@ -179,3 +189,84 @@ class Flux1Transformer(BaseFamily):
         (comfy/utils.py flux_to_diffusers), q, k and v onto their rows of the fused qkv. Its Chroma and
         Flux2 models subclass its Flux (comfy/model_base.py), so Chroma's names map the same way."""
         return f"transformer.{module}"
+
+
+class Flux1(Flux1Transformer):
+    """FluxTransformer2DModel, FLUX.1's AutoencoderKL, CLIP-L's pooled output and T5's sequence, as FluxPipeline and
+    diffusers' train_dreambooth_flux.py use them: the text conditioning, the forward arguments (distilled guidance
+    where the config embeds it), kohya's LoRA names and the tiny model. A family subclasses it and declares its
+    name, title, denoiser_classes, pipeline (FluxPipeline's, or one that calls encode_prompt and the transformer
+    alike), default_text_tokens and default_guidance."""
+
+    text_components = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
+    # Distilled guidance: one prediction per step, the guidance an input of the transformer.
+    classifier_free_guidance = False
+
+    def encode_prompt(self, pipeline: Any, captions: list[str], text_tokens: int, device: Any) -> dict[str, Any]:
+        """prompt_embeds (B, T, d_T5): T5's sequence of max_sequence_length = text_tokens tokens;
+        pooled_prompt_embeds (B, d_CLIP), CLIP-L's pooled output. The text ids are zeros and not kept."""
+        check_tokens(text_tokens, 1, MAX_T5_TOKENS, "T5 tokens for Flux")
+        prompt_embeds, pooled, _ = pipeline.encode_prompt(captions, device=device, max_sequence_length=text_tokens)
+        return {"prompt_embeds": prompt_embeds, "pooled_prompt_embeds": pooled}
+
+    def flow_inputs(self, objective: FlowObjective, x_t: Any, target: Any, sigma: Any, batch: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        import torch
+
+        b, _, h, w = x_t.shape
+        text, pooled = text_and_pooled(batch, b)
+        dtype = objective.model_dtype
+        # FluxPipeline passes timestep / 1000 = sigma; the transformer scales it (and guidance) by 1000.
+        kwargs = {
+            "hidden_states": pack_latents(x_t).to(dtype),
+            "encoder_hidden_states": text.to(dtype),
+            "pooled_projections": pooled.to(dtype),
+            "timestep": sigma,
+            "img_ids": latent_image_ids(h, w, x_t.device),
+            "txt_ids": torch.zeros(text.shape[1], 3, device=x_t.device),
+        }
+        if objective.spec.config.get("guidance_embeds", False):
+            kwargs["guidance"] = torch.full((b,), objective.config.guidance, device=x_t.device)
+        return kwargs, self.target_layout(target)
+
+    def example_inputs(self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
+                       device: Any, dtype: Any) -> dict[str, Any]:
+        config = spec.config
+        tensor = meta_or_random(device, dtype)
+        t = example_timestep(tensor, batch, device)
+        lat_h, lat_w = height // spec.vae_scale_factor, width // spec.vae_scale_factor
+        tokens = (lat_h // FLUX_PATCH) * (lat_w // FLUX_PATCH)
+        inputs = {
+            "hidden_states": tensor(batch, tokens, int(config.get("in_channels", self.default_in_channels))),
+            "encoder_hidden_states": tensor(batch, text_tokens, int(config.get("joint_attention_dim", 4096))),
+            "pooled_projections": tensor(batch, int(config.get("pooled_projection_dim", 768))),
+            "timestep": t,
+            "img_ids": tensor(tokens, 3),
+            "txt_ids": tensor(text_tokens, 3),
+        }
+        if config.get("guidance_embeds", False):
+            inputs["guidance"] = t
+        return inputs
+
+    def comfyui_lora(self, model: Any, pairs: dict[str, tuple[Any, Any]], alpha: float) -> dict[str, Any]:
+        """Kohya's Black Forest Labs names (bfl_lora), FLUX.1's modules outside the blocks included."""
+        return bfl_lora(model, pairs, alpha, flux_top_module, "Flux")
+
+    def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+        """CLIP-L gives only its pooled output (pooled_projection_dim wide); T5 gives the sequence
+        (joint_attention_dim wide)."""
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        from zerotrain.families.parts import tiny
+
+        clip, t5 = tiny.clip_tokenizer(tiny.CLIP_EOS), tiny.t5_tokenizer()
+        width = denoiser["pooled_projection_dim"]
+        return tiny.diffusers_class(self.pipeline), {
+            "scheduler": tiny.diffusers_class("FlowMatchEulerDiscreteScheduler").from_config(FLUX_SCHEDULER),
+            "text_encoder": tiny.seeded("text_encoder", CLIPTextModel, tiny.clip_config(clip, width, width)),
+            "tokenizer": clip,
+            "text_encoder_2": tiny.seeded("text_encoder_2", T5EncoderModel,
+                                          tiny.t5_config(t5, denoiser["joint_attention_dim"])),
+            "tokenizer_2": t5,
+            "transformer": tiny.seeded("transformer", tiny.diffusers_class(denoiser["_class_name"]).from_config,
+                                       denoiser),
+        }
