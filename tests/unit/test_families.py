@@ -215,6 +215,16 @@ def _flux_text(pipeline, captions, text_tokens):
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
+def _chroma_text(pipeline, captions, text_tokens):
+    embeds, _, mask, negative, _, _ = pipeline.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False,
+                                                             max_sequence_length=text_tokens)
+    # The transformer's mask: the tokenizer's tokens (with </s>) and one pad, a prefix; 0/1 is exact in bf16.
+    lengths = torch.tensor(pipeline.tokenizer(captions, padding="max_length", max_length=text_tokens).attention_mask).sum(1) + 1
+    assert negative is None and len(set(lengths.tolist())) == len(captions) and (lengths < text_tokens).all()
+    assert torch.equal(mask, (torch.arange(text_tokens) < lengths[:, None]).float())
+    return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+
 def _sd3_text(pipeline, captions, text_tokens):
     embeds, _, pooled, _ = pipeline.encode_prompt(captions, None, None, device="cpu", do_classifier_free_guidance=False,
                                                   max_sequence_length=text_tokens - 77)
@@ -301,27 +311,38 @@ def _krea2_lora(comfy, layers):
     assert not [k for k in comfy if "alpha" in k or "transformer_blocks" in k]
 
 
+def _bfl_update(comfy, name):
+    """A kohya file's update of the BFL layer `name` as ComfyUI applies it: up @ down * alpha / rank."""
+    down, up = comfy[f"lora_unet_{name}.lora_down.weight"], comfy[f"lora_unet_{name}.lora_up.weight"]
+    return up @ down * (comfy[f"lora_unet_{name}.alpha"] / down.shape[0])
+
+
+def _peft_update(layers, module):
+    return layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (8.0 / 4)
+
+
 def _flux_lora(comfy, layers):
     """Black Forest Labs' names in kohya's file, fused layers stacking their parts' updates (zero where a part
-    is not adapted) as ComfyUI applies them: up @ down * alpha / rank. (diffusers' reader of these files assumes
-    FLUX.1's 3072 width, so it cannot read the tiny model's.)"""
-    def update(name):
-        down, up = comfy[f"lora_unet_{name}.lora_down.weight"], comfy[f"lora_unet_{name}.lora_up.weight"]
-        return up @ down * (comfy[f"lora_unet_{name}.alpha"] / down.shape[0])
-
-    def peft(module):
-        return layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (8.0 / 4)
-
+    is not adapted) as ComfyUI applies them. (diffusers' reader of these files assumes FLUX.1's 3072 width, so
+    it cannot read the tiny model's.)"""
     double, single = "transformer_blocks.0", "single_transformer_blocks.0"
-    torch.testing.assert_close(update("double_blocks_0_img_attn_qkv"),
-                               torch.cat([peft(f"{double}.attn.to_{p}") for p in "qkv"]))
-    torch.testing.assert_close(update("double_blocks_0_txt_attn_qkv"),
-                               torch.cat([peft(f"{double}.attn.add_{p}_proj") for p in "qkv"]))
-    torch.testing.assert_close(update("double_blocks_0_txt_mlp_2"), peft(f"{double}.ff_context.net.2"))
-    linear1 = update("single_blocks_0_linear1")  # q, k, v, then proj_mlp (no target: zero)
-    qkv = torch.cat([peft(f"{single}.attn.to_{p}") for p in "qkv"])
+    torch.testing.assert_close(_bfl_update(comfy, "double_blocks_0_img_attn_qkv"),
+                               torch.cat([_peft_update(layers, f"{double}.attn.to_{p}") for p in "qkv"]))
+    torch.testing.assert_close(_bfl_update(comfy, "double_blocks_0_txt_attn_qkv"),
+                               torch.cat([_peft_update(layers, f"{double}.attn.add_{p}_proj") for p in "qkv"]))
+    torch.testing.assert_close(_bfl_update(comfy, "double_blocks_0_txt_mlp_2"), _peft_update(layers, f"{double}.ff_context.net.2"))
+    linear1 = _bfl_update(comfy, "single_blocks_0_linear1")  # q, k, v, then proj_mlp (no target: zero)
+    qkv = torch.cat([_peft_update(layers, f"{single}.attn.to_{p}") for p in "qkv"])
     torch.testing.assert_close(linear1[:len(qkv)], qkv)
     assert not linear1[len(qkv):].any() and linear1.shape[0] > len(qkv)
+
+
+def _chroma_lora(comfy, layers):
+    """FLUX.1's names for the blocks; the approximator's Linears under BFL's in_layer."""
+    _flux_lora(comfy, layers)
+    for i in range(2):
+        torch.testing.assert_close(_bfl_update(comfy, f"distilled_guidance_layer_layers_{i}_in_layer"),
+                                   _peft_update(layers, f"distilled_guidance_layer.layers.{i}.linear_1"))
 
 
 def _ideogram4_lora(comfy, layers):
@@ -408,7 +429,17 @@ FAMILIES = [
         plan=("chroma", "8xH100-80GB", "full"), plan_check=_chroma_plan,
         bare=("tiny-chroma", 64, True), bare_lora_modules=12 + 3,  # every Linear of the double block; q, k, v of the single
         bare_image_tokens=(64 // 16) ** 2,  # no vae/config.json: FLUX.1's 8x VAE, 2x2 packing
-        tiny="tiny-chroma", pipeline="ChromaPipeline", side=32, latents=_shift_scale_latents,
+        tiny="tiny-chroma", pipeline="ChromaPipeline", latents=_shift_scale_latents,
+        text_encoded=_chroma_text,  # T5's padded sequence and its mask, no pooled vector
+        shifts={n: _exp_mu(256, 4096, 0.5, 1.15, "diffusers.pipelines.chroma.pipeline_chroma")(n) for n in (16, 256, 4096)},
+        # FLUX.1's scheduler, packing and timestep = t / 1000; the output stepped as it is.
+        scheduler=_flux_scheduler, layout=_packed, time=("timestep", lambda t: t / 1000),
+        planner_out=(2, 16 * 16, 16), backprop=True,  # the approximator (distilled_guidance_layer) included
+        # No guidance: validation masks the text with bools, the pipeline's float mask hides nothing
+        # (diffusers#12116), so their renders differ; test_family_chroma.py checks validation's.
+        lora=True, lora_extra=("linear_1",), lora_read=False, lora_check=_chroma_lora,
+        # No read_back: diffusers' converter assumes the published 3072 width; test_family_chroma.py reads back
+        # the full-size layout.
     ),
     Family(
         "flux", "FluxTransformer2DModel",

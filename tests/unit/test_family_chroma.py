@@ -1,8 +1,9 @@
-"""The Chroma family (zerotrain/families/chroma.py) against diffusers' own ChromaPipeline,
-ChromaTransformer2DModel, scheduler and single-file converter: the catalog's parameter counts,
-planning, the tiny model folder, the cached conditioning, the objective (shift, timestep, target, the
-bool text mask and the exact text trim), gradient checkpointing that keeps the mask, validation
-images with real classifier-free guidance, and the LoRA and ComfyUI exports."""
+"""What is special to Chroma (zerotrain/families/chroma.py) against diffusers' own ChromaPipeline,
+ChromaTransformer2DModel and single-file converter: FLUX.1's LoRA targets without the approximator, the
+tiny model folder, the objective's inputs (no pooled text, no guidance, the bool text mask and the exact
+text trim), gradient checkpointing that keeps the mask, validation with real classifier-free guidance and
+bool masks, the diffusers-format LoRA loading back with its scale, and the full-size ComfyUI model that
+diffusers' converter reads back. The checks every family shares are test_families.py's."""
 
 from __future__ import annotations
 
@@ -12,34 +13,26 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 import torch
-from diffusers import (
-    ChromaPipeline,
-    ChromaTransformer2DModel,
-    DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
-)
+from diffusers import ChromaPipeline, ChromaTransformer2DModel, DiffusionPipeline
 from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
-from diffusers.pipelines.chroma.pipeline_chroma import calculate_shift
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from tests.e2e.test_export import flux_comfyui_rows, lora_deltas
 from tests.unit.test_sampling import check_image, make_validator
+from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
 from zerotrain.config import ModelConfig, RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.engine import load_denoiser
-from zerotrain.export import comfyui_lora_state_dict, lora_metadata
+from zerotrain.export import lora_metadata
 from zerotrain.families import of
 from zerotrain.families.chroma import FAMILY, used_text_tokens
 from zerotrain.families.parts.flux1 import FLUX_SCHEDULER, pack_latents
 from zerotrain.models.catalog import resolve_model
-from zerotrain.models.conditioning import encode_prompts, load_encoders
-from zerotrain.models.tiny import build_tiny_pipeline
-from zerotrain.objectives import make_objective, sample_flow_timesteps
+from zerotrain.models.conditioning import encode_prompts
+from zerotrain.objectives import make_objective
 from zerotrain.planner.trace import apply_lora
 from zerotrain.protocols import ModelSpec
 
-# The catalog's parameter counts are test_families.py's (FAMILIES).
 # Different lengths, so the shorter caption has padding that the mask must hide.
 CAPTIONS = ["a photo of a cat sitting on a red chair", "a dog"]
 TEXT_TOKENS = 24
@@ -47,31 +40,18 @@ TEXT_TOKENS = 24
 SIDE, LATENT, IMAGE_TOKENS = 32, 16, 64
 RANK, ALPHA = 4, 8.0
 
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return build_tiny_pipeline("tiny-chroma", tmp_path_factory.mktemp("tiny-chroma") / "model")
-
-
-@pytest.fixture(scope="module")
-def pipeline(folder) -> ChromaPipeline:
-    return ChromaPipeline.from_pretrained(folder)
+root, folder, pipeline, encoders = tiny_fixtures("tiny-chroma", "ChromaPipeline")
 
 
 @pytest.fixture(scope="module")
 def spec(folder) -> ModelSpec:
-    return resolve_model(ModelConfig(name_or_path=str(folder)))
+    return spec_of(folder)
 
 
 @pytest.fixture(scope="module")
-def encoded(spec, folder) -> dict[str, torch.Tensor]:
+def encoded(encoders) -> dict[str, torch.Tensor]:
     """The captions as the cache stores them (bf16), through zerotrain's encode_prompts."""
-    text = encode_prompts(load_encoders(spec, folder), CAPTIONS, TEXT_TOKENS)
-    return {name: value.bfloat16() for name, value in text.items()}
+    return {name: value.bfloat16() for name, value in encode_prompts(encoders, CAPTIONS, TEXT_TOKENS).items()}
 
 
 @pytest.fixture(scope="module")
@@ -131,47 +111,20 @@ def test_tiny_folder_loads_offline_and_renders_with_cfg(folder, monkeypatch):
     assert images.shape == (1, 3, SIDE, SIDE) and torch.isfinite(images).all()
 
 
-def test_encode_prompts_equals_the_pipelines_encode_prompt(spec, folder, pipeline):
-    got = encode_prompts(load_encoders(spec, folder), CAPTIONS, TEXT_TOKENS)
-    with torch.no_grad():
-        embeds, _, mask, negative, _, _ = pipeline.encode_prompt(
-            CAPTIONS, device="cpu", do_classifier_free_guidance=False, max_sequence_length=TEXT_TOKENS)
-    assert negative is None
-    assert list(got) == ["prompt_embeds", "prompt_attention_mask"]
-    assert got["prompt_embeds"].shape == (2, TEXT_TOKENS, 32)
-    assert torch.equal(got["prompt_embeds"], embeds) and torch.equal(got["prompt_attention_mask"], mask)
-    # The transformer's mask: the tokenizer's tokens (with </s>) and one pad, a prefix; 0/1 is exact in bf16.
-    tokens = torch.tensor(pipeline.tokenizer(CAPTIONS, padding="max_length", max_length=TEXT_TOKENS).attention_mask)
-    lengths = tokens.sum(dim=1) + 1
-    assert torch.equal(mask, (torch.arange(TEXT_TOKENS) < lengths[:, None]).float())
-    assert lengths[1] < lengths[0] < TEXT_TOKENS
-    assert torch.equal(mask.bfloat16().float(), mask)
-
 # --- the objective -------------------------------------------------------------------------------
 
 
-def test_objective_matches_the_scheduler_and_the_pipeline(spec, encoded):
+def test_the_model_inputs_are_the_pipelines_with_the_text_trimmed_and_a_bool_mask(spec, encoded):
+    """No pooled text, no guidance; the noisy latents packed; the text cut to the batch's used tokens, its
+    ids and the pipeline's image ids, and the joint mask as bools (the shift, timestep and target, and
+    backprop into every parameter, are test_families.py's)."""
     prepared = prepare(spec, encoded)
     kwargs = prepared.model_kwargs
     assert set(kwargs) == {"hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids",
-                           "attention_mask"}  # no pooled text, no guidance
-    # sigma is t shifted as ChromaPipeline's scheduler shifts it: mu from calculate_shift for 64 tokens.
-    replay = gen(5)
-    torch.randn((2, 4, LATENT, LATENT), generator=replay)  # prepare()'s posterior draw
-    t = sample_flow_timesteps(ObjectiveConfig(), 2, replay)
-    mu = calculate_shift(IMAGE_TOKENS, FLUX_SCHEDULER["base_image_seq_len"], FLUX_SCHEDULER["max_image_seq_len"],
-                         FLUX_SCHEDULER["base_shift"], FLUX_SCHEDULER["max_shift"])
-    sigma = kwargs["timestep"]  # the pipeline passes timestep / 1000 = sigma
-    torch.testing.assert_close(sigma, FlowMatchEulerDiscreteScheduler.from_config(FLUX_SCHEDULER).time_shift(mu, 1.0, t))
+                           "attention_mask"}
     x0 = pack_latents(make_batch(encoded)["latent_mean"].float())
-    noise = prepared.target + x0
-    for i in range(2):
-        torch.testing.assert_close(kwargs["hidden_states"][i], (1 - sigma[i]) * x0[i] + sigma[i] * noise[i])
-        # The target's sign and scale: one Euler step of the scheduler from sigma to 0 lands on x0.
-        euler = FlowMatchEulerDiscreteScheduler(shift=1.0)
-        euler.set_timesteps(sigmas=[sigma[i].item()])
-        step = euler.step(prepared.target[i:i + 1], euler.timesteps[0], kwargs["hidden_states"][i:i + 1])
-        torch.testing.assert_close(step.prev_sample[0], x0[i], rtol=1e-5, atol=1e-5)
+    sigma = kwargs["timestep"].view(-1, 1, 1)
+    torch.testing.assert_close(kwargs["hidden_states"], (1 - sigma) * x0 + sigma * (prepared.target + x0))
     used = int(encoded["prompt_attention_mask"].sum(dim=1).max())
     assert kwargs["encoder_hidden_states"].shape == (2, used, 32) and used < TEXT_TOKENS
     assert torch.equal(kwargs["txt_ids"], torch.zeros(used, 3))
@@ -179,20 +132,6 @@ def test_objective_matches_the_scheduler_and_the_pipeline(spec, encoded):
     mask = kwargs["attention_mask"]
     assert mask.dtype == torch.bool and mask.shape == (2, used + IMAGE_TOKENS)
     assert torch.equal(mask[:, :used], encoded["prompt_attention_mask"][:, :used] > 0) and mask[:, used:].all()
-
-
-def test_prepare_runs_through_the_tiny_denoiser_and_backpropagates(spec, folder, encoded):
-    model = tiny_transformer(folder).train()
-    objective = make_objective(spec, FLUX_SCHEDULER, ObjectiveConfig(), SIDE)
-    prepared = objective.prepare(make_batch(encoded, std=0.5), gen(3))
-    pred = model(**prepared.model_kwargs, return_dict=False)[0]
-    assert pred.shape == prepared.target.shape == (2, IMAGE_TOKENS, 16)
-    loss = objective.loss(pred, prepared)
-    assert loss.shape == () and torch.isfinite(loss)
-    loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
-    assert any(g.abs().sum() > 0 for name, g in grads.items() if name.startswith("distilled_guidance_layer."))
 
 
 def test_the_trimmed_text_is_exactly_the_pipelines_full_length_input(spec, folder, encoded):
@@ -283,10 +222,10 @@ def test_validation_renders_with_real_cfg_and_bool_masks(tmp_path):
 # --- export --------------------------------------------------------------------------------------
 
 
-def test_lora_saves_loads_and_exports_for_comfyui(spec, folder, pipeline, encoded, tmp_path):
+def test_lora_saves_and_loads_back_with_its_scale(spec, folder, pipeline, encoded, tmp_path):
     """zerotrain's LoRA on the default targets plus the approximator's first Linears: saved as the export
     saves it (save_lora_weights with lora_adapter_metadata), it loads back with its scale and gives
-    the trained output; the ComfyUI file is the same update under kohya's BFL names."""
+    the trained output (the ComfyUI file is test_families.py's)."""
     run = RunConfig(model={"name_or_path": str(folder)},
                     training={"mode": "lora", "lora": {"rank": RANK, "alpha": ALPHA,
                                                        "target_modules": [*FAMILY.lora_targets, "linear_1"]}})
@@ -315,22 +254,10 @@ def test_lora_saves_loads_and_exports_for_comfyui(spec, folder, pipeline, encode
     torch.testing.assert_close(loaded, trained)
     assert not torch.allclose(loaded, before)
 
-    comfy = comfyui_lora_state_dict(spec, model, layers, ALPHA)
-    reference = lora_deltas(saved, ALPHA / RANK)
-    rows = {**flux_comfyui_rows(hidden=32),  # tiny-chroma's blocks are tiny-flux's, modulation aside
-            **{f"distilled_guidance_layer.layers.{i}.linear_1":
-               (f"lora_unet_distilled_guidance_layer_layers_{i}_in_layer", 0, 32) for i in range(2)}}
-    names = {key.removesuffix(".lora_down.weight") for key in comfy if key.endswith(".lora_down.weight")}
-    assert names == {rows[module][0] for module in reference} and len(comfy) == 3 * len(names)
-    full = {n: comfy[f"{n}.lora_up.weight"].float() @ comfy[f"{n}.lora_down.weight"].float()
-            * comfy[f"{n}.alpha"].item() / comfy[f"{n}.lora_down.weight"].shape[0] for n in names}
-    for module, delta in reference.items():
-        name, first, height = rows[module]
-        torch.testing.assert_close(full[name][first:first + height], delta, rtol=1e-5, atol=1e-6)
-
 
 def test_comfyui_model_is_what_diffusers_single_file_converter_reads_back(meta_chroma):
-    """The full-size published architecture (19 + 38 blocks, 5 approximator layers): every tensor is
+    """The full-size published architecture (19 + 38 blocks, 5 approximator layers; diffusers' converter
+    assumes its 3072 width, so not the tiny model's as test_families.py would): every tensor is
     stood in for by its rows, each row a distinct integer (the mapping only renames, concatenates
     and splits rows), so the round trip through diffusers' converter is checked exactly and cheaply."""
     weights = {name: torch.arange(tensor.shape[0]) + index * 2**20
