@@ -98,6 +98,7 @@ class Family:
     time_exact: bool = False
     planner_out: tuple[int, ...] | None = None  # the model's output shape for example_inputs(spec, 2, side, side, 12)
     backprop: bool = False  # prepare() backpropagates into every parameter (else its own file checks what does)
+    idle: tuple[str, ...] = ()  # but exactly those whose names hold one of these, which the forward leaves unused
     # Validation: guidance, classifier-free or not, the PNG's text, the pipeline's extra call arguments, the
     # negative embeddings' keys, and the largest pixel difference from the pipeline's own render.
     guidance: float | None = None
@@ -238,6 +239,17 @@ def _sdxl_text(pipeline, captions, text_tokens):
     return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
 
+def _qwen_image_scheduler():
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    from zerotrain.families.qwen_image import QWEN_SCHEDULER
+
+    # QwenImagePipeline's: the shifted grid then stretched so that its last sigma is shift_terminal.
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN_SCHEDULER)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4), mu=calculate_shift(16, 256, 8192, 0.5, 0.9))
+    return scheduler
+
+
 def _flux_scheduler():
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
@@ -256,12 +268,10 @@ def _sd3_scheduler():
     return scheduler
 
 
-def _packed(latents: torch.Tensor) -> torch.Tensor:
-    """Latents (B, C, h, w) as FluxPipeline._pack_latents packs them: 2x2 patches as tokens."""
-    from diffusers import FluxPipeline
-
+def _packed(latents: torch.Tensor, pipeline: str = "FluxPipeline") -> torch.Tensor:
+    """Latents (B, C, h, w) as the pipeline's _pack_latents packs them: 2x2 patches as tokens."""
     b, c, h, w = latents.shape
-    return FluxPipeline._pack_latents(latents, b, c, h, w)
+    return getattr(diffusers, pipeline)._pack_latents(latents, b, c, h, w)
 
 
 def _shift_scale_latents(pipeline, pixels):
@@ -272,10 +282,12 @@ def _shift_scale_latents(pipeline, pixels):
     return (posterior.mode() - (vae.shift_factor or 0.0)) * vae.scaling_factor, posterior.std * vae.scaling_factor
 
 
-def _krea2_latents(pipeline, pixels):
-    mean = pipeline.vae.encode(pixels.unsqueeze(2)).latent_dist.mean[:, :, 0]
+def _qwen_vae_latents(pipeline, pixels):
+    """Qwen-Image's video VAE on one frame: (z - latents_mean) / latents_std per channel (the training script's)."""
+    posterior = pipeline.vae.encode(pixels.unsqueeze(2)).latent_dist
     config = pipeline.vae.config
-    return (mean - torch.tensor(config.latents_mean).view(1, -1, 1, 1)) / torch.tensor(config.latents_std).view(1, -1, 1, 1), None
+    mean, std = (torch.tensor(values).view(1, -1, 1, 1) for values in (config.latents_mean, config.latents_std))
+    return (posterior.mean[:, :, 0] - mean) / std, posterior.std[:, :, 0] / std
 
 
 def _chroma_plan(facts):
@@ -360,6 +372,13 @@ def _flux3_loader(folder):
     pipeline = diffusers.Flux3ModularPipeline.from_pretrained(folder)
     pipeline.load_components(names=["transformer"], pretrained_model_name_or_path=str(folder))
     return pipeline
+
+
+def _diffusers_names(comfy, weights, folder, tmp_path):
+    """ComfyUI reads this family's diffusers names as they are: the class loads the file strictly."""
+    model = transformer(folder)
+    model.load_state_dict(comfy, strict=True)
+    return model.state_dict()
 
 
 def _krea2_back(comfy, weights, folder, tmp_path):
@@ -543,7 +562,7 @@ FAMILIES = [
         # the fusion's projector, txt_in's two, img_in, final, time's two and time_mod_proj.
         bare=("tiny-krea2", 256, True), bare_lora_modules=2 * 7 + 2 * 7 + 1 + 2 + 1 + 1 + 2 + 1,
         tiny="tiny-krea2", pipeline="Krea2Pipeline", latent_std=0.5,
-        text_rows=_krea2_rows, text_shape=(2, 16), latents=_krea2_latents,
+        text_rows=_krea2_rows, text_shape=(2, 16), latents=_qwen_vae_latents,
         shifts={n: _exp_mu(256, 6400, 0.5, 1.15, "diffusers.pipelines.krea2.pipeline_krea2")(n) for n in (16, 4096, 9216)},
         # Krea2Pipeline steps the scheduler with the output as it is (noise - x0), the timestep the scheduler's t / 1000.
         scheduler=_krea2_scheduler, layout=_target_layout("krea2"), time=("timestep", lambda t: t / 1000),
@@ -574,6 +593,22 @@ FAMILIES = [
         tiny="tiny-qwen-image", pipeline="QwenImagePipeline", text_tokens=32,
         captions=("a red chair", "an oil painting of mountains at sunset, warm light on the lake"),
         text_rows=_qwen_image_rows, text_shape=(32,), text_tolerance={"atol": 1e-5, "rtol": 1e-5},
+        latents=_qwen_vae_latents,
+        shifts={n: _exp_mu(256, 8192, 0.5, 0.9, "diffusers.pipelines.qwenimage.pipeline_qwenimage")(n)
+                for n in (16, 1024, 4096, 6889)},  # tiny at 64 px; 512, 1024 and 1328 px
+        # QwenImagePipeline packs as FLUX.1, passes timestep = t / 1000 and steps with the output as it is.
+        scheduler=_qwen_image_scheduler, layout=lambda latents: _packed(latents, "QwenImagePipeline"),
+        time=("timestep", lambda t: t / 1000),
+        # The last block's text stream (its to_add_out and txt_mlp) feeds nothing: no gradient.
+        planner_out=(2, 16, 64), backprop=True, idle=("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp."),
+        # True classifier-free guidance 4 (true_cfg_scale) with the encoded "" as negative prompt.
+        guidance=4.0, cfg=True, png_text={"guidance_scale": "4.0", "negative_prompt": ""},
+        pipeline_call={"true_cfg_scale": 4.0, "negative_prompt": ""},
+        negative_keys=frozenset({"prompt_embeds", "prompt_embeds_mask"}),
+        lora=True, lora_loader=diffusers.QwenImagePipeline.from_pretrained,
+        # What ComfyUI's model detection recognises Qwen-Image by (txt_norm), under diffusers' names.
+        model_keys=frozenset({"txt_norm.weight", "img_in.weight", "transformer_blocks.0.attn.to_q.weight"}),
+        read_back=_diffusers_names,
     ),
     Family(
         "qwen_image21", "QwenImage21Transformer2DModel",
@@ -903,7 +938,8 @@ def test_prepare_backpropagates_into_every_parameter(row, folder, encoders):
     loss = objective.loss(model(**prepared.model_kwargs, return_dict=False)[0], prepared)
     assert loss.shape == () and torch.isfinite(loss)
     loss.backward()
-    assert not [n for n, p in model.named_parameters() if p.grad is None]
+    idle = {n for n, _ in model.named_parameters() if any(part in n for part in row.idle)}
+    assert {n for n, p in model.named_parameters() if p.grad is None} == idle
 
 
 # --- validation -------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The Qwen-Image family (zerotrain/families/qwen_image.py) against diffusers' own classes: the catalog
-configs and parameter counts, planning the full-size model, the tiny model folder, the cached latents
-and text against QwenImagePipeline's VAE and encode_prompt, the objective against its scheduler and
-pipeline, validation through the pipeline, and the LoRA files diffusers and ComfyUI load."""
+"""What is special to Qwen-Image (zerotrain/families/qwen_image.py) against diffusers' own classes: the VAE facts
+of a bare config.json, the Edit variants, the tiny model folder, the cache's padding and truncation against
+QwenImagePipeline.encode_prompt, the terminal stretch being inference's alone, the model inputs (the text
+trimmed and masked, no mask for captions of one length, the planner's layout), padding that changes nothing,
+validation without guidance, the diffusers-format LoRA, and the Edit-2511 mark in the ComfyUI model. The
+checks every family shares are test_families.py's."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from diffusers.utils.torch_utils import randn_tensor
 from peft import LoraConfig, get_peft_model_state_dict
 
+from tests.unit.tiny_family import tiny_fixtures
 from zerotrain.config import ModelConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
@@ -33,8 +36,8 @@ from zerotrain.families import example_inputs, of
 from zerotrain.families.parts.latents import qwen_pack_latents as pack_latents
 from zerotrain.families.qwen_image import FAMILY, QWEN_SCHEDULER
 from zerotrain.models.catalog import check_trainable, is_plan_only, resolve_model
-from zerotrain.models.conditioning import encode_latent_moments, encode_latents, encode_prompts, load_encoders
-from zerotrain.models.tiny import build_tiny_pipeline, ensure_tiny_pipeline
+from zerotrain.models.conditioning import encode_prompts
+from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import dynamic_shift, make_objective, sample_flow_timesteps, shift_sigmas
 from zerotrain.protocols import ModelSpec
 
@@ -44,9 +47,6 @@ CAPTIONS = ["a red chair", "an oil painting of mountains at sunset, warm light o
 TEXT_TOKENS = 32
 # The tiny VAE downsamples 8x as the published one: 64 px are 8x8 latents, 4x4 image tokens.
 SIDE = 64
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "examples" / "tiny-cpu.yaml"
-TINY_DATA = REPO / "examples" / "tiny-data"
 
 
 def spec_of(name: str, **config: object) -> ModelSpec:
@@ -64,19 +64,7 @@ def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return ensure_tiny_pipeline(TINY, tmp_path_factory.mktemp("models"))
-
-
-@pytest.fixture(scope="module")
-def pipeline(folder):
-    return QwenImagePipeline.from_pretrained(folder)
-
-
-@pytest.fixture(scope="module")
-def encoders(folder):
-    return load_encoders(resolve_model(ModelConfig(name_or_path=str(folder))), folder)
+root, folder, pipeline, encoders = tiny_fixtures(TINY, "QwenImagePipeline")
 
 
 # --- 1. catalog ------------------------------------------------------------------------------------
@@ -159,26 +147,6 @@ def test_encode_prompts_is_encode_prompt_padded_with_its_mask(encoders, pipeline
             encode_prompts(encoders, CAPTIONS, bad)
 
 
-def test_latents_are_the_vae_posterior_normalized_per_channel(encoders, pipeline):
-    x = torch.rand(2, 3, SIDE, SIDE, generator=gen()) * 2 - 1
-    vae = pipeline.vae
-    with torch.no_grad():
-        posterior = vae.encode(x.unsqueeze(2)).latent_dist  # (B, 16, 1, h, w), as the training script encodes
-        drawn = posterior.sample(gen(1))
-    # train_dreambooth_lora_qwen_image.py: (latents - latents_mean) * (1 / latents_std), 5-D views.
-    mean = torch.tensor(vae.config.latents_mean).view(1, 16, 1, 1, 1)
-    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, 16, 1, 1, 1)
-    moments = encode_latent_moments(encoders, x)
-    assert moments.mean.shape == (2, 16, SIDE // 8, SIDE // 8)
-    torch.testing.assert_close(moments.mean, ((posterior.mean - mean) * inverse_std)[:, :, 0])
-    torch.testing.assert_close(moments.std, (posterior.std * inverse_std)[:, :, 0])
-    latents = encode_latents(encoders, x, generator=gen(1))
-    torch.testing.assert_close(latents, ((drawn - mean) * inverse_std)[:, :, 0])
-    torch.testing.assert_close(moments.sample(gen(1)), latents, atol=1e-6, rtol=1e-5)
-    # The pipeline's decode side undoes it: latents / (1 / std) + mean.
-    torch.testing.assert_close((latents.unsqueeze(2) / inverse_std + mean), drawn, atol=1e-5, rtol=1e-5)
-
-
 # --- 5. the objective ------------------------------------------------------------------------------
 
 
@@ -191,18 +159,15 @@ def cached_batch(encoders, captions: list[str], std: float = 0.0, seed: int = 1)
             **{name: value.bfloat16() for name, value in text.items()}}
 
 
-def test_shift_is_the_schedulers_time_shift_and_terminal_stretch_is_inference_only():
+def test_the_terminal_stretch_is_inference_only():
+    """Training's sigma is the shift alone (test_families.py's); QwenImagePipeline's 50-step grid is shifted the
+    same, then stretched so that its last sigma is 0.02."""
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN_SCHEDULER)
-    t = torch.linspace(0.01, 0.99, 50)
-    for seq_len in (16, 1024, 4096, 6889):  # tiny at 64 px; 512, 1024 and 1328 px
+    for seq_len in (16, 4096):
         mu = calculate_shift(seq_len, 256, 8192, 0.5, 0.9)
-        shift = dynamic_shift(QWEN_SCHEDULER, "qwen_image", seq_len)
-        assert shift == pytest.approx(math.exp(mu))
-        torch.testing.assert_close(shift_sigmas(t, shift), scheduler.time_shift(mu, 1.0, t))
-        # QwenImagePipeline's 50-step grid: the same shift, then stretched so its last sigma is 0.02.
         grid = np.linspace(1.0, 1 / 50, 50)
         scheduler.set_timesteps(sigmas=grid, mu=mu)
-        shifted = shift_sigmas(torch.from_numpy(grid).float(), shift)
+        shifted = shift_sigmas(torch.from_numpy(grid).float(), dynamic_shift(QWEN_SCHEDULER, "qwen_image", seq_len))
         torch.testing.assert_close(scheduler.sigmas[:-1], scheduler.stretch_shift_to_terminal(shifted))
         assert scheduler.sigmas[-2].item() == pytest.approx(0.02) and scheduler.sigmas[0].item() == 1.0
     # Without shift settings, calculate_shift's defaults as QwenImagePipeline writes them.
@@ -226,10 +191,6 @@ def test_prepare_noises_packs_and_conditions_as_the_pipeline(encoders):
     torch.testing.assert_close(kwargs["timestep"], sigma)  # the pipeline passes t / 1000 = sigma
     s = sigma.view(-1, 1, 1, 1)
     torch.testing.assert_close(kwargs["hidden_states"], pack_latents((1 - s) * x0 + s * noise))
-    torch.testing.assert_close(prepared.target, pack_latents(noise - x0))
-    # The pipeline's _unpack_latents gives the (B, C, 1, h, w) layout back.
-    unpacked = QwenImagePipeline._unpack_latents(prepared.target, SIDE, SIDE, 8)
-    torch.testing.assert_close(unpacked[:, :, 0], noise - x0)
     assert kwargs["img_shapes"] == [[(1, 4, 4)]] * 2 and "guidance" not in kwargs
     # Trimmed to the longer caption, masked where the shorter one is padded.
     lengths = batch["prompt_embeds_mask"].sum(dim=1).long()
@@ -246,80 +207,40 @@ def test_prepare_noises_packs_and_conditions_as_the_pipeline(encoders):
         {k: v.shape for k, v in same.items() if k not in ("img_shapes", "encoder_hidden_states_mask")}
 
 
-def test_prepare_runs_through_the_tiny_denoiser_and_padding_changes_nothing(encoders, folder):
-    spec = resolve_model(ModelConfig(name_or_path=str(folder)))
-    objective = make_objective(spec, QWEN_SCHEDULER, ObjectiveConfig(), SIDE)
-    model = QwenImageTransformer2DModel.from_pretrained(folder, subfolder="transformer")
-    model.train()
-    FAMILY.enable_checkpointing(model)
-    prepared = objective.prepare(cached_batch(encoders, CAPTIONS, std=0.5), gen())
-    pred = model(**prepared.model_kwargs, return_dict=False)[0]
-    loss = objective.loss(pred, prepared)
-    assert pred.shape == prepared.target.shape == (2, 16, 64) and torch.isfinite(loss)
-    loss.backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().sum() > 0 for g in grads)
-    # The shorter caption, padded and masked in the batch, predicts what it predicts alone.
-    model.eval()
-    kwargs = prepared.model_kwargs
+def test_the_shorter_caption_padded_and_masked_predicts_what_it_predicts_alone(encoders, pipeline):
+    objective = make_objective(spec_of(TINY), QWEN_SCHEDULER, ObjectiveConfig(), SIDE)
+    kwargs = objective.prepare(cached_batch(encoders, CAPTIONS, std=0.5), gen()).model_kwargs
     short = int(kwargs["encoder_hidden_states_mask"][0].sum())
     assert short < kwargs["encoder_hidden_states"].shape[1]
     with torch.no_grad():
-        batched = model(**kwargs, return_dict=False)[0]
-        alone = model(hidden_states=kwargs["hidden_states"][:1], encoder_hidden_states=kwargs["encoder_hidden_states"][:1, :short],
-                      timestep=kwargs["timestep"][:1], img_shapes=kwargs["img_shapes"][:1], return_dict=False)[0]
+        batched = pipeline.transformer(**{**kwargs, "hidden_states": kwargs["hidden_states"].float(),
+                                          "encoder_hidden_states": kwargs["encoder_hidden_states"].float()},
+                                       return_dict=False)[0]
+        alone = pipeline.transformer(hidden_states=kwargs["hidden_states"][:1].float(),
+                                     encoder_hidden_states=kwargs["encoder_hidden_states"][:1, :short].float(),
+                                     timestep=kwargs["timestep"][:1], img_shapes=kwargs["img_shapes"][:1],
+                                     return_dict=False)[0]
     torch.testing.assert_close(batched[:1], alone, atol=1e-5, rtol=1e-5)
 
 
 # --- 6. validation ---------------------------------------------------------------------------------
 
 
-def test_validation_kwargs_render_what_the_pipeline_renders_from_prompts(encoders, pipeline):
-    prompt, negative = CAPTIONS[1], " "
-    cached = encode_prompts(encoders, [prompt], TEXT_TOKENS)
-    cached_negative = encode_prompts(encoders, [negative], TEXT_TOKENS)
-    kwargs = FAMILY.validation_kwargs(cached, cached_negative, FAMILY.default_guidance)
-    assert kwargs["true_cfg_scale"] == 4.0 and "guidance_scale" not in kwargs
-    common = {"height": 32, "width": 32, "num_inference_steps": 2, "output_type": "latent"}
-    with torch.no_grad():
-        direct = pipeline(prompt=prompt, negative_prompt=negative, true_cfg_scale=4.0, generator=gen(3), **common).images
-        via = pipeline(**kwargs, generator=gen(3), **common).images
-        plain = pipeline(prompt=prompt, true_cfg_scale=1.0, generator=gen(3), **common).images
-    torch.testing.assert_close(via, direct)
-    assert not torch.allclose(via, plain), "true CFG should change the result"
+def test_validation_without_guidance_passes_no_negative(encoders):
+    """Guidance is true_cfg_scale (the render against the pipeline's is test_families.py's); at 1.0 no negative."""
+    cached = encode_prompts(encoders, CAPTIONS[:1], TEXT_TOKENS)
+    kwargs = FAMILY.validation_kwargs(cached, cached, FAMILY.default_guidance)
+    assert kwargs["true_cfg_scale"] == 4.0 and "guidance_scale" not in kwargs and "negative_prompt_embeds" in kwargs
     no_cfg = FAMILY.validation_kwargs(cached, None, 1.0)
     assert "negative_prompt_embeds" not in no_cfg and no_cfg["true_cfg_scale"] == 1.0
-
-
-def test_validator_renders_with_true_cfg(folder, tmp_path):
-    from PIL import Image
-
-    from zerotrain.config import load_config
-    from zerotrain.distributed import Topology
-    from zerotrain.engine import load_denoiser
-    from zerotrain.sampling import Validator
-
-    run = load_config(CONFIG, [f"model.name_or_path={TINY}", f"data.datasets=[{{path: '{TINY_DATA}'}}]",
-                               "validation.steps=2", "validation.prompts=['a photo of a cat']",
-                               "validation.negative_prompt=' '", "data.text_tokens=24"])
-    spec = resolve_model(run.model)
-    validator = Validator(spec, folder, run, Topology(0, 1, 0), torch.device("cpu"))
-    assert validator.cfg and validator.guidance_scale == 4.0
-    assert tuple(validator.negative_embeds) == FAMILY.text_outputs
-    [image, grid] = validator.render(load_denoiser(spec, folder), 1, tmp_path)
-    with Image.open(image) as png:
-        assert png.size == (SIDE, SIDE) and png.text["guidance_scale"] == "4.0" and png.text["negative_prompt"] == " "
-        assert np.asarray(png).std() > 2
-    assert grid.name == "grid.png"
 
 
 # --- 8. export -------------------------------------------------------------------------------------
 
 
-def test_lora_files_load_in_diffusers_and_comfyui_format(folder, pipeline, tmp_path):
-    from safetensors.torch import save_file
-
-    from zerotrain.export import comfyui_lora_state_dict, lora_metadata
+def test_the_diffusers_lora_file_loads_back_as_the_trained_model(folder, pipeline, tmp_path):
+    """(The ComfyUI file is test_families.py's.)"""
+    from zerotrain.export import lora_metadata
 
     spec = resolve_model(ModelConfig(name_or_path=str(folder)))
     rank, alpha = 4, 8.0
@@ -336,32 +257,12 @@ def test_lora_files_load_in_diffusers_and_comfyui_format(folder, pipeline, tmp_p
     assert len(layers) == 2 * 4 * 2  # blocks x (to_q, to_k, to_v, to_out.0) x (A, B)
     QwenImagePipeline.save_lora_weights(tmp_path / "lora", transformer_lora_layers=layers,
                                         transformer_lora_adapter_metadata=lora_metadata(model.peft_config["default"]))
-    comfy = comfyui_lora_state_dict(spec, model, layers, alpha)
-    modules = {key.removesuffix(".lora_A.weight") for key in layers if key.endswith(".lora_A.weight")}
-    assert set(comfy) == {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
-    for module in modules:  # ComfyUI applies B @ A * alpha / rank, as peft does
-        layer = model.get_submodule(module)
-        name = f"diffusion_model.{module}"
-        delta = comfy[f"{name}.lora_B.weight"] @ comfy[f"{name}.lora_A.weight"] * comfy[f"{name}.alpha"] / rank
-        expected = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
-        torch.testing.assert_close(delta, expected)
-    save_file(comfy, tmp_path / "comfy.safetensors")
-    for path in (tmp_path / "lora" / "pytorch_lora_weights.safetensors", tmp_path / "comfy.safetensors"):
-        pipeline.load_lora_weights(path.parent, weight_name=path.name, adapter_name="trained")
-        try:
-            with torch.no_grad():
-                torch.testing.assert_close(pipeline.transformer(**inputs, return_dict=False)[0], trained,
-                                           atol=1e-5, rtol=1e-5)
-        finally:
-            pipeline.unload_lora_weights()
-
-
-def test_full_weights_keep_diffusers_names_for_comfyui(pipeline):
-    weights = pipeline.transformer.state_dict()
-    comfy = FAMILY.comfyui_model(weights)
-    assert comfy.keys() == weights.keys()
-    # ComfyUI's model_detection recognizes Qwen-Image by txt_norm.weight and reads these names as they are.
-    assert {"txt_norm.weight", "img_in.weight", "transformer_blocks.0.attn.to_q.weight"} <= comfy.keys()
+    pipeline.load_lora_weights(tmp_path / "lora", adapter_name="trained")
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(pipeline.transformer(**inputs, return_dict=False)[0], trained, atol=1e-5, rtol=1e-5)
+    finally:
+        pipeline.unload_lora_weights()
 
 
 def test_edit_2511_full_export_carries_comfyuis_2511_mark_and_2509_none(tmp_path):
