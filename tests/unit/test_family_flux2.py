@@ -1,15 +1,15 @@
-"""FLUX.2 ([dev] and [klein], zerotrain/families/flux2.py) against diffusers itself: the catalog's parameter
-counts on meta, plans of the full-size models, the tiny folders through Flux2Pipeline / Flux2KleinPipeline,
-cached conditioning equal to the pipelines' own encode_prompt and latent normalization, the objective
-against the scheduler's shifted sigmas and through the real denoisers, validation renders for [dev],
-klein-base and distilled klein, and the ComfyUI exports against diffusers' own converters."""
+"""What is special to FLUX.2 ([dev] and [klein], zerotrain/families/flux2.py) against diffusers itself: the
+catalog's pipelines and bare VAE facts, the class defaults the family assumes, [klein]'s LoRA plan, the meta
+trace's inputs, the tiny folders through Flux2Pipeline / Flux2KleinPipeline, [klein]'s cached text against
+Flux2KleinPipeline.encode_prompt, the linear shift and a set shift, the model inputs (ids, guidance for [dev]
+alone), validation for klein-base and distilled klein, and [klein]'s ComfyUI exports against diffusers' own
+converters. [dev]'s tiny model is test_families.py's row, with the checks every family shares."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import json
-import math
 from pathlib import Path
 
 import diffusers
@@ -22,6 +22,7 @@ from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 from peft import LoraConfig, inject_adapter_in_model
 from peft.utils import get_peft_model_state_dict
 
+from tests.unit.tiny_family import tiny_encoders, tiny_pipeline, tiny_root
 from zerotrain.config import ModelConfig, RunConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
@@ -34,8 +35,8 @@ from zerotrain.families.flux2 import (
 )
 from zerotrain.families.parts.latents import FLUX2_VAE_DEFAULTS as VAE_DEFAULTS
 from zerotrain.models.catalog import resolve_model
-from zerotrain.models.conditioning import encode_latent_moments, encode_latents, encode_prompts, load_encoders
-from zerotrain.models.tiny import build_tiny_pipeline
+from zerotrain.models.conditioning import encode_prompts
+from zerotrain.models.tiny import build_tiny_pipeline, ensure_tiny_pipeline
 from zerotrain.objectives import make_objective, sample_flow_timesteps, shift_sigmas
 from zerotrain.planner.measure import measure_model
 from zerotrain.protocols import ModelSpec
@@ -70,16 +71,14 @@ def pixels(batch: int = 2, side: int = SIDE) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("flux2")
-    return {name: build_tiny_pipeline(name, root / name) for name in PIPELINES}
+    return {name: ensure_tiny_pipeline(name, tiny_root(tmp_path_factory)) for name in PIPELINES}
 
 
 @pytest.fixture(scope="module", params=list(PIPELINES))
 def tiny(request, folders) -> tuple[str, Path, object]:
     """A tiny folder, and its pipeline loaded offline through the class pipeline_name says."""
     name = request.param
-    pipeline = getattr(diffusers, PIPELINES[name]).from_pretrained(folders[name])
-    return name, folders[name], pipeline
+    return name, folders[name], tiny_pipeline(folders[name], PIPELINES[name])
 
 
 # --- 1. catalog ----------------------------------------------------------------------------------------
@@ -177,41 +176,19 @@ def test_tiny_build_is_deterministic_and_keeps_the_global_rng(folders, tmp_path)
     assert digest(again) == digest(folders["tiny-flux2"])
 
 
-def test_encode_prompts_equals_the_pipelines_encode_prompt(tiny):
-    _, folder, pipeline = tiny
-    encoders = load_encoders(spec_of(folder), folder)
+def test_klein_encode_prompts_equals_the_pipelines_encode_prompt(folders):
+    """[klein]'s Qwen3 (test_families.py checks [dev]'s Mistral)."""
+    folder = folders["tiny-flux2-klein"]
+    encoders = tiny_encoders(folder)
     got = encode_prompts(encoders, CAPTIONS, TEXT_TOKENS)
     with torch.no_grad():
-        embeds, _ = pipeline.encode_prompt(CAPTIONS, device="cpu", max_sequence_length=TEXT_TOKENS)
+        embeds, _ = tiny_pipeline(folder, PIPELINES["tiny-flux2-klein"]).encode_prompt(
+            CAPTIONS, device="cpu", max_sequence_length=TEXT_TOKENS)
     assert list(got) == ["prompt_embeds"] and got["prompt_embeds"].shape == (2, TEXT_TOKENS, 48)
     assert torch.equal(got["prompt_embeds"], embeds)
     assert not torch.allclose(got["prompt_embeds"][0], got["prompt_embeds"][1])
     with pytest.raises(ZerotrainError, match="text_tokens=0"):
         encode_prompts(encoders, CAPTIONS, 0)
-
-
-def test_latents_are_the_normalized_patchified_mode(tiny):
-    """encode_latent_moments gives what Flux2Pipeline._encode_vae_image gives (the patchified mode,
-    normalized by the VAE's batch-norm statistics), with std 0; the pipeline's decode path inverts it."""
-    _, folder, _ = tiny
-    encoders = load_encoders(spec_of(folder), folder)
-    vae = encoders.vae
-    with torch.no_grad():  # statistics away from the identity, so the normalization is exercised
-        vae.bn.running_mean.copy_(torch.randn(16, generator=gen(3)) * 0.2)
-        vae.bn.running_var.copy_(torch.rand(16, generator=gen(4)) + 0.5)
-    x = pixels()
-    moments = encode_latent_moments(encoders, x)
-    reference = Flux2Pipeline(scheduler=None, vae=vae, text_encoder=None, tokenizer=None, transformer=None)
-    with torch.no_grad():
-        expected = reference._encode_vae_image(x, generator=None)
-        mode = vae.encode(x).latent_dist.mode()
-    assert moments.mean.shape == (2, 16, SIDE // 4, SIDE // 4)
-    torch.testing.assert_close(moments.mean, expected)
-    assert torch.equal(moments.std, torch.zeros_like(moments.std))
-    assert torch.equal(encode_latents(encoders, x, gen(1)), moments.mean)
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    back = Flux2Pipeline._unpatchify_latents(moments.mean * std + vae.bn.running_mean.view(1, -1, 1, 1))
-    torch.testing.assert_close(back, mode)
 
 
 # --- 5. objective --------------------------------------------------------------------------------------
@@ -222,21 +199,14 @@ def test_pipeline_steps_is_both_pipelines_default():
         assert inspect.signature(cls.__call__).parameters["num_inference_steps"].default == PIPELINE_STEPS
 
 
-@pytest.mark.parametrize("tokens", [256, 1024, 4096, 16384])
-def test_auto_shift_is_the_pipelines_schedule(tokens):
-    """Training's sigmas for t on the pipeline's grid are the scheduler's own after the pipeline's
-    set_timesteps(sigmas=linspace(1, 1/N, N), mu=compute_empirical_mu(seq_len, N))."""
+def test_a_linear_time_shift_is_mu_and_a_set_shift_is_kept():
+    """(The exponential shift, the pipeline's, is test_families.py's.)"""
     spec = spec_of("tiny-flux2")
     objective = make_objective(spec, FLUX2_SCHEDULER, ObjectiveConfig(), SIDE)
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(FLUX2_SCHEDULER)
-    t = np.linspace(1.0, 1 / PIPELINE_STEPS, PIPELINE_STEPS)
-    scheduler.set_timesteps(sigmas=t, mu=compute_empirical_mu(tokens, PIPELINE_STEPS))
-    expected = scheduler.sigmas[:-1]
-    torch.testing.assert_close(shift_sigmas(torch.tensor(t, dtype=torch.float32), objective.shift(tokens)), expected)
-    assert objective.shift(tokens) == pytest.approx(math.exp(compute_empirical_mu(tokens, PIPELINE_STEPS)))
-    linear = dataclasses.replace(objective, scheduler_config={**FLUX2_SCHEDULER, "time_shift_type": "linear"})
-    assert linear.shift(tokens) == compute_empirical_mu(tokens, PIPELINE_STEPS)
-    assert make_objective(spec, FLUX2_SCHEDULER, ObjectiveConfig(shift=1.0), SIDE).shift(tokens) == 1.0
+    for tokens in (256, 4096):
+        linear = dataclasses.replace(objective, scheduler_config={**FLUX2_SCHEDULER, "time_shift_type": "linear"})
+        assert linear.shift(tokens) == compute_empirical_mu(tokens, PIPELINE_STEPS)
+        assert make_objective(spec, FLUX2_SCHEDULER, ObjectiveConfig(shift=1.0), SIDE).shift(tokens) == 1.0
 
 
 def make_batch(spec: ModelSpec, side: int, batch: int = 2) -> dict[str, torch.Tensor]:
@@ -270,13 +240,9 @@ def test_prepare_feeds_the_denoiser_as_the_pipeline_does(name, folders):
     s = sigma.view(-1, 1, 1, 1)
     torch.testing.assert_close(noisy, (1 - s) * x0 + s * (tokens + x0), atol=1e-5, rtol=1e-5)
 
-    model = spec.denoiser_class().from_pretrained(folders[name], subfolder="transformer")
-    model.train()
-    pred = model(**kwargs, return_dict=False)[0]
-    loss = objective.loss(pred, prepared)
-    assert pred.shape == prepared.target.shape == (2, 36, 16) and torch.isfinite(loss)
-    loss.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with torch.no_grad():  # backprop into every parameter is test_families.py's
+        pred = tiny_pipeline(folders[name], PIPELINES[name]).transformer(**kwargs, return_dict=False)[0]
+    assert pred.shape == prepared.target.shape == (2, 36, 16) and torch.isfinite(objective.loss(pred, prepared))
 
 
 def _after_flip(generator: torch.Generator) -> torch.Generator:
@@ -302,11 +268,10 @@ def make_validator(folder: Path, name: str, *overrides: str):
     return spec, Validator(spec, folder, run, Topology(0, 1, 0), torch.device("cpu"))
 
 
-@pytest.mark.parametrize(("name", "distilled", "cfg"), [
-    ("tiny-flux2", False, False), ("tiny-flux2-klein", False, True), ("tiny-flux2-klein", True, False)])
+@pytest.mark.parametrize(("name", "distilled", "cfg"), [("tiny-flux2-klein", False, True), ("tiny-flux2-klein", True, False)])
 def test_validation_renders_through_the_pipeline(folders, tmp_path, name, distilled, cfg):
-    """[dev] embeds guidance 4.0 (no negative); klein-base guides classifier-free with the negative
-    prompt's embeddings; a distilled klein (is_distilled in model_index.json) runs no guidance."""
+    """klein-base guides classifier-free with the negative prompt's embeddings; a distilled klein
+    (is_distilled in model_index.json) runs no guidance ([dev]'s render is test_families.py's)."""
     from PIL import Image
 
     from zerotrain.engine import load_denoiser
@@ -352,12 +317,12 @@ def forward(model: torch.nn.Module, spec: ModelSpec) -> torch.Tensor:
         return model(**inputs, return_dict=False)[0]
 
 
-@pytest.mark.parametrize("name", list(PIPELINES))
-def test_comfyui_lora_is_the_same_update_under_bfl_names(folders, tmp_path, name):
-    """The default targets plus the double blocks' text q/v (k left out: zero rows in the fused qkv) and
+def test_klein_comfyui_lora_is_the_same_update_under_bfl_names(folders, tmp_path):
+    """[klein]'s ([dev]'s is test_families.py's): the default targets plus the double blocks' text q/v (k left out: zero rows in the fused qkv) and
     feed-forwards, exported for ComfyUI (diffusion_model.<BFL>.lora_A/B, alpha baked into B), load through
     diffusers' own BFL converter to the output of the diffusers-format LoRA (save_lora_weights with
     lora_adapter_metadata), which differs from the base model's."""
+    name = "tiny-flux2-klein"
     spec = spec_of(folders[name])
     family = of(spec)
     targets = [*family.default_lora_targets(spec), "add_q_proj", "add_v_proj", "ff.linear_in", "ff_context.linear_out",
@@ -399,14 +364,15 @@ def test_comfyui_lora_swaps_the_final_modulation_and_refuses_unknown_modules():
         of(spec).comfyui_lora(model, {"pos_embed": (a, b)}, 4.0)
 
 
-@pytest.mark.parametrize("name", list(PIPELINES))
-def test_comfyui_model_is_bfl_layout_and_converts_back_exactly(name):
+def test_klein_comfyui_model_is_bfl_layout_and_converts_back_exactly():
+    """[klein]'s, without the guidance embedder ([dev]'s is test_families.py's)."""
+    name = "tiny-flux2-klein"
     spec = spec_of(name)
     torch.manual_seed(0)
     weights = {k: v.clone() for k, v in spec.denoiser_class().from_config(spec.config).state_dict().items()}
     bfl = of(spec).comfyui_model(weights)
     assert "double_stream_modulation_img.lin.weight" in bfl  # what ComfyUI detects FLUX.2 by
-    assert ("guidance_in.in_layer.weight" in bfl) == (name == "tiny-flux2")
+    assert "guidance_in.in_layer.weight" not in bfl
     assert {"double_blocks.1.img_attn.qkv.weight", "double_blocks.0.txt_attn.norm.key_norm.scale",
             "single_blocks.1.linear1.weight", "single_blocks.0.norm.query_norm.scale",
             "final_layer.adaLN_modulation.1.weight", "img_in.weight", "txt_in.weight"} <= set(bfl)
