@@ -3,11 +3,13 @@ the family names, or the catalog names for the per-model check): the catalog's p
 published config against the class defaults; planning the published model with the shipped facts and a
 bare config.json; the cached text against the pipeline's encode_prompt and the cached latents against its
 VAE; the shift and one scheduler step on the target; the planner's inputs through the model; backprop into
-every parameter; validation against the pipeline's own render; the ComfyUI LoRA and model exports.
+every parameter (but those a row names idle); validation against the pipeline's own render; the ComfyUI LoRA
+and model exports.
 
 What is special to a family stays in tests/unit/test_family_<name>.py. Adding a family to these checks is a
-row; a field left None leaves that family out of the check that needs it (where its own file checks it
-otherwise). Each tiny model is built once per session (tiny_family.tiny_root) and loaded once per row."""
+row; a field left None leaves that family out of the check that needs it (a comment in the row says why
+where the check cannot apply, or where its own file checks it otherwise). Each tiny model is built once per
+session (tiny_family.tiny_root) and loaded once per row."""
 
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ class Family:
     # The cache: each caption's rows as the pipeline encodes them, without its padding (None: not checked here),
     # their shape after the batch and text dimensions, and assert_close's tolerances for them (None: exactly equal).
     text_rows: Callable[[Any, list[str], int], list[torch.Tensor]] | None = None
-    # Or, for a family whose cache is the pipeline's padded tensors (a pooled vector, no mask): what its
+    # Or, for a family whose cache is the pipeline's padded tensors (with a pooled vector or a mask): what its
     # encode_prompt gives for the captions, under the cache's keys.
     text_encoded: Callable[[Any, list[str], int], dict[str, torch.Tensor]] | None = None
     text_shape: tuple[int, ...] = ()
@@ -274,6 +276,14 @@ def _flux2_scheduler():
     return scheduler
 
 
+def _flux3_scheduler():
+    from zerotrain.families.flux3 import settings
+
+    scheduler = settings()["scheduler"].create()  # the blocks' own (shift 6.93)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4))
+    return scheduler
+
+
 def _flux_scheduler():
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
@@ -310,6 +320,12 @@ def _flux2_latents(pipeline, pixels):
     """The patchified mode, normalized by the VAE's batch-norm statistics; std 0 (nothing drawn)."""
     mean = pipeline._encode_vae_image(pixels, generator=None)
     return mean, torch.zeros_like(mean)
+
+
+def _qwen21_latents(pipeline, pixels):
+    """The pipeline encodes an image as RGBA (opaque here) and keeps the posterior's mode, normalized."""
+    rgba = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+    return pipeline._encode_vae_image(rgba.unsqueeze(2), None)[:, :, 0], None
 
 
 def _qwen_vae_latents(pipeline, pixels):
@@ -424,6 +440,12 @@ def _flux2_back(comfy, weights, folder, tmp_path):
     return convert_flux2_transformer_checkpoint_to_diffusers(dict(comfy))
 
 
+def _qwen21_loader(folder):
+    from zerotrain.families.qwen_image21 import load_processor
+
+    return diffusers.QwenImage21Pipeline.from_pretrained(folder, processor=load_processor(folder))
+
+
 def _krea2_back(comfy, weights, folder, tmp_path):
     from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
 
@@ -525,6 +547,9 @@ FAMILIES = [
         # Distilled guidance 3.5: one prediction a step, no negative prompt.
         guidance=3.5, cfg=False, png_text={"guidance_scale": "3.5"}, negative_keys=frozenset(),
         lora=True, lora_read=False, lora_check=_flux_lora,
+        model_keys=frozenset({"x_embedder.weight", "transformer_blocks.0.attn.to_q.weight",
+                              "single_transformer_blocks.0.proj_mlp.weight"}),
+        read_back=_diffusers_names,
     ),
     Family(
         "flux2", "Flux2Transformer2DModel",
@@ -575,8 +600,15 @@ FAMILIES = [
         # each of image, references and text, 28 joint blocks.
         bare_lora_modules=(3 * 5 + 28) * 6,
         bare_trainable=(3 * 5 + 28) * (4 * 4 * (3072 + 3072) + 4 * (3072 + 18432) + 4 * (9216 + 3072)),
+        # The cache and validation are test_family_flux3.py's: each caption's rows keep one of the step's padded
+        # rows (multiples of 80), the latents come with the references' steps, and the blocks render without
+        # their prompt upsampler.
         tiny="tiny-flux3", pipeline="Flux3ModularPipeline", planner_out=(2, 16 * 16, 16),
         shifts={16 * 16: 6.93, 64 * 64: 6.93}, shift_exact=True,  # static, whatever the resolution
+        # The blocks pass timestep = t / 1000 and step with the output as it is.
+        scheduler=_flux3_scheduler, layout=_target_layout("flux3"), time=("timestep", lambda t: t / 1000),
+        # Text to image leaves the reference pathway idle (an edit trains it: test_family_flux3.py).
+        backprop=True, idle=(".image_cond",),
         lora=True, lora_keys=frozenset({"diffusion_model.content_mode_blocks.image.0.q_proj.lora_A.weight",
                              "diffusion_model.txt_mode_blocks.0.mlp_in.lora_B.weight",
                              "diffusion_model.single_blocks.1.attn_out.lora_A.weight"}),
@@ -598,6 +630,8 @@ FAMILIES = [
         bare=("ideogram-4", 1024, True), bare_image_tokens=4096,
         # Per block q, k, v, out (4608 -> 4608), w1 and w3 (4608 -> 12288), w2 (12288 -> 4608); 34 blocks.
         bare_lora_modules=34 * 7, bare_trainable=34 * (4 * 4 * (4608 + 4608) + 3 * 4 * (4608 + 12288)),
+        # No latents or read_back here: the pipeline has no encoder path (test_family_ideogram4.py inverts its
+        # decode) and diffusers no reader of the ComfyUI model (that file reads it back with the family's inverse).
         tiny="tiny-ideogram4", pipeline="Ideogram4Pipeline",
         text_rows=_ideogram4_rows, text_shape=(208,),
         # 0.5 ln(H W / 512^2): the tiny 4 px a token at 64 px, at 1024 px, and 256 px on the tiny model.
@@ -687,10 +721,13 @@ FAMILIES = [
         bare_lora_modules=32 * 4, bare_trainable=32 * 4 * 4 * (4096 + 4096),  # q, k, v, out per block
         tiny="tiny-qwen-image21", pipeline="QwenImage21Pipeline",
         captions=("a red chair", "An oil painting of mountains at sunset, warm light on the lake!"),
-        text_rows=_qwen21_rows, text_shape=(32,), text_tolerance={},
+        text_rows=_qwen21_rows, text_shape=(32,), text_tolerance={}, latents=_qwen21_latents,
         shifts={n: _exp_mu(256, 4096, 0.5, 1.15, "diffusers.pipelines.qwenimage21.pipeline_qwenimage21")(n) for n in (16, 4096)},
         scheduler=_qwen21_scheduler, layout=_tokens,
         planner_out=(2, 12 + 4 * 4, 4), backprop=True,
+        # No guidance here: the model renders RGBA; test_family_qwen_image21.py compares it with the pipeline's.
+        # The ComfyUI LoRA of the attention (the fused MLP's is that file's).
+        lora=True, lora_loader=_qwen21_loader,
         model_keys=frozenset({"transformer_blocks.0.img_mlp.gate_up.weight", "txt_in.text_norm.weight"}),
         model_check=_qwen21_model, read_back=_single_file_back("QwenImage21Transformer2DModel"),
     ),
@@ -701,6 +738,7 @@ FAMILIES = [
         parameters={"sd3.5-large": 8_056_627_520, "sd3.5-medium": 2_243_171_520, "tiny-sd3": 88_320},
         spec={name: {"vae_scale_factor": 8, "latent_channels": 16, "vae_scaling_factor": 1.5305,
                      "vae_shift_factor": 0.0609, "pixel_factor": 16} for name in ("sd3.5-large", "sd3.5-medium")},
+        # No defaults: the class's are SD3 Medium's; SD 3.5 Large differs in 5 of its 12 fields.
         plan=("sd3.5-large", "8xH100-80GB", "lora"), plan_tokens=(64 * 64, 77 + 256),
         # The 8 targets of the first joint block; the last is context_pre_only (no to_add_out).
         bare=("tiny-sd3", 64, True), bare_lora_modules=8 + 7,
@@ -714,6 +752,8 @@ FAMILIES = [
         negative_keys=frozenset({"prompt_embeds", "pooled_prompt_embeds"}),
         # OneTrainer's names, which ComfyUI maps (diffusers reads them not).
         lora=True, lora_kohya="lora_transformer_",
+        model_keys=frozenset({"pos_embed.proj.weight", "context_embedder.weight", "transformer_blocks.0.attn.to_q.weight"}),
+        read_back=_diffusers_names,
     ),
     Family(
         "unet", "UNet2DConditionModel",
@@ -723,6 +763,7 @@ FAMILIES = [
         spec={"sdxl-base": {"vae_scale_factor": 8, "latent_channels": 4, "vae_scaling_factor": 0.13025,
                             "vae_shift_factor": None, "pixel_factor": 32},
               "sd1.5": {"vae_scaling_factor": 0.18215, "pixel_factor": 64}},
+        # No defaults: UNet2DConditionModel's are SD 1's. No shifts or scheduler step: SDXL is DDPM (epsilon).
         plan=("sdxl-base", "1xRTX4090-24GB", "lora"), plan_tokens=(128 * 128, 77),
         # q, k, v and out of self- and cross-attention in the tiny UNet's 4 transformer blocks.
         bare=("tiny-sdxl", 64, True), bare_lora_modules=4 * 2 * 4,
@@ -733,6 +774,9 @@ FAMILIES = [
         guidance=5.0, cfg=True, png_text={"guidance_scale": "5.0", "negative_prompt": ""},
         negative_keys=frozenset({"prompt_embeds", "pooled_prompt_embeds"}),
         lora=True, lora_kohya="lora_unet_", lora_loader=diffusers.StableDiffusionXLPipeline.from_pretrained,
+        model_keys=frozenset({"conv_in.weight", "add_embedding.linear_1.weight",
+                              "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight"}),
+        read_back=_diffusers_names,
     ),
     Family(
         "z_image", "ZImageTransformer2DModel",
@@ -746,11 +790,12 @@ FAMILIES = [
         bare=("tiny-z-image", 256, True), bare_lora_modules=4 * (2 + 1 + 1),  # layers, noise_refiner and context_refiner
         tiny="tiny-z-image", pipeline="ZImagePipeline", text_tokens=48, latent_std=0.5,
         captions=("a photo of a cat sitting on a red chair", "An oil painting of Mountains at sunset, unseen words!"),
-        text_rows=_z_image_rows, text_shape=(16,),
+        text_rows=_z_image_rows, text_shape=(16,), latents=_shift_scale_latents,
         shifts={256: 6.0, 4096: 6.0}, shift_exact=True,
         # The pipeline steps with -output, and passes timestep = (1000 - t) / 1000 for each scheduler timestep t.
         scheduler=_z_image_scheduler, sign=-1, layout=lambda latents: latents,
         time=("t", lambda t: (1000 - t) / 1000), time_exact=True,
+        planner_out=(2, 16, 32, 32), backprop=True,  # x_pad_token at other sizes: test_family_z_image.py
         # The default guidance 5 runs classifier-free guidance with the encoded "" as ZImagePipeline does: pixel for pixel.
         guidance=5.0, cfg=True, png_text={"guidance_scale": "5.0", "negative_prompt": ""},
         negative_keys=frozenset({"prompt_embeds", "prompt_embeds_mask"}), render_tolerance=0,
@@ -1002,10 +1047,11 @@ def test_one_scheduler_step_on_the_target_lands_on_the_flow(row, folder, encoder
 
 @pytest.mark.parametrize("row", rows("planner_out"), indirect=True)
 def test_the_planners_inputs_run_the_model(row, folder):
+    spec = spec_of(folder)
     with torch.no_grad():
-        out = transformer(folder)(**example_inputs(spec_of(folder), 2, row.side, row.side, 12, "cpu", torch.float32),
+        out = transformer(folder)(**example_inputs(spec, 2, row.side, row.side, 12, "cpu", torch.float32),
                                   return_dict=False)[0]
-    assert out.shape == row.planner_out
+    assert of(spec).prediction(out).shape == row.planner_out  # (Z-Image's output is a list: stacked)
 
 
 @pytest.mark.parametrize("row", rows("backprop"), indirect=True)

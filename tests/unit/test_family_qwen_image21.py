@@ -1,8 +1,9 @@
-"""Qwen-Image 2.1 (zerotrain/families/qwen_image21.py) against diffusers' own QwenImage21Pipeline, its scheduler
-and single-file converter: the catalog counts, planning (a meta trace of a transformer that derives its layout on
-the host), the tiny folder (its processor without torchvision), the cached text against encode_prompt, the
-latents against the pipeline's RGBA VAE encode, the training forward against the pipeline's own transformer call
-(hooked), the loss on the sequence's last rows, the shift, validation renders and the ComfyUI exports.
+"""What is special to Qwen-Image 2.1 (zerotrain/families/qwen_image21.py) against diffusers' own
+QwenImage21Pipeline: planning an edit (its images' slots in the text), the tiny folder (its processor without
+torchvision), the training forward against the pipeline's own transformer call (hooked), the loss on the
+sequence's last rows, edits (the caption read with its image, cached and trained as the pipeline feeds it),
+validation renders (RGBA) with and without a control, and the ComfyUI LoRA's fused gate_up. The checks every
+family shares are test_families.py's.
 
 The tiny VAE downsamples 16x as the published one: 64 px are 4x4 latent tokens, 4 image slots."""
 
@@ -26,7 +27,7 @@ from zerotrain.data.prepare import prepare
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families.qwen_image21 import FAMILY, load_processor, tokens
-from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
+from zerotrain.models.conditioning import encode_prompts
 from zerotrain.objectives import flow_target, make_objective
 from zerotrain.planner.measure import measure_model
 
@@ -92,19 +93,6 @@ def test_a_caption_longer_than_text_tokens_is_one_line(encoders):
     with pytest.raises(ZerotrainError, match=r"the caption 'An oil painting.*' is \d+ tokens .* above "
                                              r"data.text_tokens=12 \(the pipeline does not truncate\)"):
         encode_prompts(encoders, CAPTIONS, 12)
-
-
-def test_cached_latents_are_the_pipelines_rgba_encode_normalized_per_channel(pipeline, encoders):
-    """The pipeline converts a condition image to RGBA, preprocesses it and encodes the posterior's mode,
-    (z - latents_mean) / latents_std: the cache's mean for the same RGB pixels, an opaque alpha added."""
-    image = Image.fromarray((np.random.default_rng(0).random((SIDE, SIDE, 3)) * 255).astype(np.uint8))
-    rgba = pipeline.image_processor.preprocess(image.convert("RGBA"), width=SIDE, height=SIDE).unsqueeze(2)
-    with torch.no_grad():
-        theirs = pipeline._encode_vae_image(rgba, None)[:, :, 0]
-    pixels = pipeline.image_processor.preprocess(image, width=SIDE, height=SIDE)
-    moments = encode_latent_moments(encoders, pixels)
-    assert moments.mean.shape == (1, 4, GRID, GRID)
-    torch.testing.assert_close(moments.mean, theirs, rtol=1e-5, atol=1e-5)
 
 
 # --- the objective -----------------------------------------------------------------------------------
@@ -276,7 +264,7 @@ def adapted(folder, targets, rank: int = 4):
     return model
 
 
-def test_comfyui_lora_names_the_modules_and_fuses_gate_and_up(folder, pipeline):
+def test_comfyui_lora_names_the_modules_and_fuses_gate_and_up(folder):
     rank, alpha = 4, 8.0
     model = adapted(folder, [*FAMILY.lora_targets, "gate_layer", "img_mlp.proj"], rank)
     layers = get_peft_model_state_dict(model)
@@ -291,15 +279,6 @@ def test_comfyui_lora_names_the_modules_and_fuses_gate_and_up(folder, pipeline):
     expected = torch.cat([layers[f"transformer_blocks.1.img_mlp.{part}.lora_B.weight"]
                           @ layers[f"transformer_blocks.1.img_mlp.{part}.lora_A.weight"] for part in ("gate_layer", "proj")]) * (alpha / rank)
     torch.testing.assert_close(update, expected, rtol=1e-5, atol=1e-6)
-    # The attention adapters load into the pipeline with diffusers' Qwen-Image loader, as the same update.
-    attention = {k: v for k, v in comfy.items() if ".attn." in k}
-    state = QwenImage21Pipeline.lora_state_dict(dict(attention))
-    state = state[0] if isinstance(state, tuple) else state
-    module = "transformer_blocks.0.attn.to_q"
-    got = state[f"transformer.{module}.lora_B.weight"] @ state[f"transformer.{module}.lora_A.weight"]  # alpha folded in
-    torch.testing.assert_close(got, layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank))
-    pipeline.load_lora_weights(dict(attention), adapter_name="comfy")
-    pipeline.delete_adapters("comfy")
 
 
 def test_a_gate_alone_fuses_with_zero_up_rows(folder):
