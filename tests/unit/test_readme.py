@@ -3,7 +3,8 @@ generated one; the README's Quickstart is exactly two commands, the second being
 every command in a bash block of README.md or docs/*.md parses with zerotrain's own argument
 parsers and names repository files that exist, as do the files and modules their inline code
 names; every yaml block is a valid run config; every internal link resolves, to a heading where it
-names one, and no link leaves the repository; and the README stays a first page."""
+names one, and no link leaves the repository; every family has its row in the README's families table; and the
+README stays a first page."""
 
 from __future__ import annotations
 
@@ -253,3 +254,25 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 def test_the_readme_stays_a_first_page():
     assert len(README.splitlines()) < 260, "move the detail to a page under docs/ and link it"
+
+
+def families_table(readme: str) -> dict[str, list[str]]:
+    """The README's families table: each row's family, by the modules its second column names."""
+    table = readme.partition("<!-- families table -->")[2].partition("<!-- end families table -->")[0]
+    rows = [line.split("|")[1:-1] for line in table.strip().splitlines()[2:]]
+    return {row[0].strip(): re.findall(r"`([^`]+\.py)`", row[1]) for row in rows}
+
+
+def test_every_family_has_its_row_in_the_readmes_families_table():
+    from zerotrain.families import all_families
+
+    modules = {module for named in families_table(README).values() for module in named}
+    files = {f"{type(family).__module__.rpartition('.')[2]}.py" for family in all_families()}
+    assert sorted(files - modules) == [], "a family without its row in the README's families table"
+    assert len(families_table(README)) == len(all_families())
+
+
+def test_the_families_table_check_catches_what_it_guards():
+    table = "<!-- families table -->\n| family | module |\n| --- | --- |\n| A | `a.py`, `parts/b.py` |\n<!-- end families table -->"
+    assert families_table(table) == {"A": ["a.py", "parts/b.py"]}
+    assert families_table(table.replace("| A | `a.py`, `parts/b.py` |\n", "")) == {}
