@@ -1,7 +1,7 @@
 """What the distributed training tests share (no test file imports another): a LoRA or full-fine-tune
-case (Case) and its overrides, the loss-drop rule, the validation images' check, the edit data of
-examples/tiny-edit-data, the SIGTERM-and-rerun check, and the diffusers side of an export (a pipeline
-from a tiny folder, a seeded render).
+case (Case) and its overrides, the loss-drop rule, the check of what a run leaves in its folder, the
+validation images' check, the edit data of examples/tiny-edit-data, the SIGTERM-and-rerun check, and the
+DeepSpeed JSON of an offloaded ZeRO-3 run.
 
 "The loss goes down": the mean of the last WINDOW (3) step losses below the mean of the first WINDOW by a
 margin (5% unless a case says otherwise). A step's loss is the mean over 2 images of a random timestep and
@@ -13,6 +13,8 @@ import json
 import signal
 from dataclasses import dataclass
 
+import yaml
+
 from tests.distributed.conftest import REPO, WORLD, Trainer, TrainResult, interrupted, logged_steps
 
 WINDOW = 3
@@ -22,6 +24,7 @@ VALIDATE_EVERY = 6
 EDITS = REPO / "examples" / "tiny-edit-data"
 CONTROLS = [EDITS / "control" / f"{name}.png" for name in ("00-red-square", "01-green-circle", "02-blue-square")]
 SWATCHES = [EDITS / "swatch" / path.name for path in CONTROLS]
+RUN_FILES = ("config.yaml", "plan.json", "deepspeed.json", "checkpoints/latest", "metrics.jsonl", "export")
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,15 @@ class Case:
     checkpoint_blocks: int | None = None
     """training.checkpoint_blocks: partial checkpointing of that many blocks."""
     optimizer: str = "adamw"
+    validate: bool = True
+    """Render validation images (PROMPTS, every VALIDATE_EVERY steps and at the end)."""
 
     def overrides(self) -> list[str]:
         out = [f"model.name_or_path={self.model}", f"training.mode={self.mode}", f"training.max_steps={self.steps}",
-               f"planner.stages=[{self.stage}]", "planner.offload=[none]", f"optimizer.lr={self.lr}",
-               f"validation.prompts={json.dumps(PROMPTS)}", f"validation.every={VALIDATE_EVERY}",
-               "validation.steps=2", "validation.seeds=[7]"]
+               f"planner.stages=[{self.stage}]", "planner.offload=[none]", f"optimizer.lr={self.lr}"]
+        if self.validate:
+            out += [f"validation.prompts={json.dumps(PROMPTS)}", f"validation.every={VALIDATE_EVERY}",
+                    "validation.steps=2", "validation.seeds=[7]"]
         if self.mode == "lora":
             out.append("training.lora.rank=4")
         if self.quantize != "none":
@@ -65,6 +71,48 @@ def assert_loss_drops(name: str, losses: list[float], seconds: float | None = No
           f"losses {[round(x, 4) for x in losses]}")
     assert steps is None or len(losses) == steps, f"{name}: {len(losses)} losses, not {steps}: {losses}"
     assert last < (1 - min_drop) * first, f"{name}: the loss did not go down by {min_drop:.0%}: {losses}"
+
+
+def check_run_folder(result: TrainResult, case: Case) -> None:
+    """What the finished run of `case` left in its folder: config.yaml (its model and mode), plan.json, the
+    DeepSpeed JSON of its ZeRO stage (bf16 master weights and optimizer states for every optimizer but adamw; a
+    client optimizer (bitsandbytes, transformers) named in zerotrain's section, DeepSpeed's own in its optimizer
+    section; the offload the case asks for, or none), every step's metrics, the last step's checkpoint saying
+    which optimizer stepped it, the planned and logged checkpointed blocks of a partially checkpointed run, and
+    the export's manifest."""
+    run_dir = result.output_dir
+    missing = [name for name in RUN_FILES if not (run_dir / name).exists()]
+    assert not missing, f"{run_dir} lacks {missing}"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (config["model"]["name_or_path"], config["training"]["mode"]) == (case.model, case.mode)
+    written = json.loads((run_dir / "deepspeed.json").read_text())
+    zero = written["zero_optimization"]
+    assert zero["stage"] == case.stage
+    bf16_states = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert (written["bf16"].items() >= bf16_states.items()) == (case.optimizer != "adamw"), written["bf16"]
+    client = case.optimizer in ("adamw-8bit", "adafactor")
+    assert ("optimizer" in written) != client and written.get("zero_allow_untested_optimizer", False) == client
+    if client:
+        assert written["_zerotrain"]["optimizer"]["name"] == case.optimizer, written["_zerotrain"]
+    if case.offload:
+        assert zero.get("offload_optimizer", {}).get("device") == zero.get("offload_param", {}).get("device") \
+            == "cpu", zero
+    else:
+        assert "offload_optimizer" not in zero, zero
+    assert [r["step"] for r in result.metrics()] == list(range(1, case.steps + 1))
+    tag = f"step-{case.steps:08d}"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == tag
+    saved = json.loads((run_dir / "checkpoints" / tag / "zerotrain_state.json").read_text())
+    assert saved["optimizer"] == case.optimizer, saved
+    if case.checkpoint_blocks is not None:
+        # The plan names the blocks, and the engine checkpointed those (UNet down/mid/up blocks).
+        planned = json.loads((run_dir / "plan.json").read_text())
+        blocks = planned["checkpoint_order"][:case.checkpoint_blocks]
+        assert planned["chosen"]["layout"]["checkpointed_blocks"] == case.checkpoint_blocks, planned["chosen"]
+        assert f"gradient checkpointing of {case.checkpoint_blocks} blocks ({', '.join(blocks)})" in result.log, \
+            result.tails()
+    manifest = json.loads((run_dir / "export" / "export.json").read_text())
+    assert (manifest["mode"], manifest["step"]) == (case.mode, case.steps), manifest
 
 
 def check_validation_images(run_dir, case: Case) -> None:

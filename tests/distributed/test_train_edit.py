@@ -14,7 +14,7 @@ the edit ("paint the shape red"). Global batch 2, micro 1 per rank.
        validation through Flux2Pipeline with both: the loss goes down, and the exported LoRA loads into
        Flux2Pipeline and changes the edited image.
 
-"The loss goes down" is test_train_families' rule (the mean of the last 3 step losses 5% below the first
+"The loss goes down" is family_runs.assert_loss_drops' rule (the mean of the last 3 step losses 5% below the first
 3's); pytest -s prints the losses.
 """
 

@@ -4,7 +4,7 @@ zerotrain's own DeepSpeed config and engine, with fp32 AdamW and with each other
 adamw-bf16 (DeepSpeed's bf16 master weights, gradients and moments), adamw-8bit (bitsandbytes)
 and adafactor (transformers) over the same bf16 masters. Each one's loss goes down and stays close
 to fp32 AdamW's over the same steps. (train.py with adamw-bf16, its
-checkpoint and export: the flux-full-zero3-offload-adamw-bf16 case of test_train_families.py.)"""
+checkpoint and export: the flux-full-zero3-offload-adamw-bf16 case of test_train_modes.py.)"""
 
 from __future__ import annotations
 
