@@ -169,10 +169,29 @@ def build(settings: dict[str, Any], params: list[torch.nn.Parameter]) -> torch.o
 
         kwargs["betas"] = tuple(kwargs["betas"])
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
+    kwargs["eps"] = tuple(kwargs["eps"])
+    return _exact_resume_adafactor()(params, **kwargs)
+
+
+def _exact_resume_adafactor() -> type:
+    """transformers' Adafactor whose load_state_dict keeps the saved state's dtypes. torch's
+    Optimizer.load_state_dict casts floating state to its parameter's dtype, so a bf16 master's fp32
+    exp_avg_sq and RMS came back bf16 and a resumed run left the uninterrupted one's losses from its first step."""
+    import torch
     from transformers.optimization import Adafactor as TransformersAdafactor
 
-    kwargs["eps"] = tuple(kwargs["eps"])
-    return TransformersAdafactor(params, **kwargs)
+    class ExactResumeAdafactor(TransformersAdafactor):
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            saved = {key: dict(value) for key, value in state_dict["state"].items()}
+            super().load_state_dict(state_dict)
+            ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+            params = [p for group in self.param_groups for p in group["params"]]
+            for i, param in zip(ids, params, strict=True):
+                for key, value in saved.get(i, {}).items():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        self.state[param][key] = value.to(param.device, copy=True)
+
+    return ExactResumeAdafactor
 
 
 def name_of(optimizer: Any) -> str:
@@ -182,9 +201,10 @@ def name_of(optimizer: Any) -> str:
     from zerotrain.deepspeed_compat import master_dtype
 
     basic = getattr(optimizer, "optimizer", optimizer)
-    for o in OPTIMIZERS.values():
-        if o.client_class and type(basic).__name__ == o.client_class.rsplit(".", 1)[1] \
-                and type(basic).__module__.split(".")[0] == o.client_class.split(".")[0]:
+    for o in OPTIMIZERS.values():  # the client class, or a class of zerotrain's built on it
+        if o.client_class and any(cls.__name__ == o.client_class.rsplit(".", 1)[1]
+                                  and cls.__module__.split(".")[0] == o.client_class.split(".")[0]
+                                  for cls in type(basic).__mro__):
             return o.name
     return deepspeed_adamw(bf16_masters=master_dtype(optimizer) == torch.bfloat16)
 

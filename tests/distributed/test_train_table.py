@@ -25,7 +25,8 @@ images (global batch 2, micro 1 per rank, 64 px buckets, constant LR), one row o
 
 The modes of training ride on the rows, each once: SDXL's full run checkpoints 2 of its UNet blocks (partial
 checkpointing, planned and logged); FLUX.1's LoRA runs without ZeRO (DeepSpeed's bf16 optimizer); SD3's LoRA
-steps bitsandbytes' adamw-8bit at ZeRO-2 and SDXL's transformers' Adafactor at ZeRO-3; Qwen-Image's LoRAs
+steps bitsandbytes' adamw-8bit at ZeRO-2; SDXL's runs step transformers' Adafactor, the full run at ZeRO-2 (its
+SIGTERM rerun resuming the fp32 second moment as saved) and the LoRA at ZeRO-3; Qwen-Image's LoRAs
 train over a qint8 base at ZeRO-3 (rendering validation images through it) and qint4 and qfloat8 bases at
 ZeRO-2. The full fine-tune at ZeRO-3 with the optimizer and the parameters offloaded is test_train_modes.py's.
 
@@ -37,7 +38,7 @@ Measured margins (pytest -s prints every run's losses; the same to the digit run
 8 steps unless said, chroma -22%, flux -19%, flux2 -13% (lr 1e-3), flux3 -28%, ideogram4 -18%, krea2 -14% in
 10 (at 1e-3 only -6%, too close to the margin, hence 3e-3), qwen-image -13%, qwen-image21 -20%, sd3 -8.6% in 10
 (margin 3%: its loss, ~4.1 at the start with 16-channel latents and timesteps shifted by 3 towards noise, falls
-slowly), sdxl -50%, z-image -14%; LoRA chroma -15.5% in 10, flux -10% in 10, flux2 -18% in 8 at 5e-2 (at 1e-2
+slowly), sdxl -53% (Adafactor), z-image -14%; LoRA chroma -15.5% in 10, flux -10% in 10, flux2 -18% in 8 at 5e-2 (at 1e-2
 its few default targets, 5,888 parameters, drop ~4%), flux3 -19% in 8, ideogram4 -15% in 6, krea2 -12% in 6,
 qwen-image -12% in 12 at 5e-2 (at 1e-2 nothing; -8% in 10), its quantized bases -11.5 to -12%, qwen-image21
 -16% in 12 (-6.5% in 10), sd3 -7.4% in 10 (margin 3%), sdxl -8.4% in 10, z-image -8% in 10 at 3e-2.
@@ -149,6 +150,8 @@ class Family:
     full_min_drop: float = 0.05
     full_checkpoint_blocks: int | None = None
     """training.checkpoint_blocks of the full run: partial checkpointing of that many blocks."""
+    full_optimizer: str = "adamw"
+    """optimizer.name of the full run (and so of its SIGTERM rerun)."""
     folder: str = "transformer"
     """The denoiser's folder in the export and its pipeline's component (SDXL's UNet: unet)."""
     extra: tuple[str, ...] = ()
@@ -176,7 +179,8 @@ class Family:
     def full(self) -> Case:
         """The full fine-tune, ZeRO-2, as a Case."""
         return Case(f"{self.id}-full-zero2", self.model, "full", 2, self.full_lr, self.full_steps,
-                    min_drop=self.full_min_drop, checkpoint_blocks=self.full_checkpoint_blocks, validate=False)
+                    min_drop=self.full_min_drop, checkpoint_blocks=self.full_checkpoint_blocks, validate=False,
+                    optimizer=self.full_optimizer)
 
     def full_overrides(self) -> tuple[str, ...]:
         return (*self.full.overrides(), "training.resume=auto", "training.checkpoint_every=1000", *self.extra)
@@ -307,13 +311,12 @@ FAMILIES = [
            full_min_drop=0.03,
            comfy_full=ComfyFull(None, ("transformer_blocks.0.attn.to_q.weight", "pos_embed.proj.weight")),
            lora_layer=lambda t: t.transformer_blocks[0].attn.to_q),
-    # SDXL's full run is also the test of partial checkpointing (2 of its UNet blocks), its LoRA of Adafactor. (Not
-    # the full run's optimizer: an Adafactor checkpoint resumes with its fp32 second moment cast to the bf16 master's
-    # dtype by torch's Optimizer.load_state_dict, so the rerun's losses part from the uninterrupted run's.)
+    # SDXL's runs are also the tests of Adafactor: the full run, with partial checkpointing (2 of its UNet blocks),
+    # and its SIGTERM rerun (the fp32 second moment resumed as saved, over bf16 masters), and a LoRA at ZeRO-3.
     Family("sdxl", "tiny-sdxl", 1e-3, 8, 3,
            (Case("sdxl-lora-zero3-adafactor", "tiny-sdxl", "lora", 3, 5e-2, 10, optimizer="adafactor"),),
            diffusers_pipeline("StableDiffusionXLPipeline"), "UNet2DConditionModel", "a red square",
-           full_checkpoint_blocks=2, folder="unet",
+           full_checkpoint_blocks=2, full_optimizer="adafactor", folder="unet",
            comfy_full=ComfyFull(None, ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight",)),
            lora_layer=lambda u: u.down_blocks[1].attentions[0].transformer_blocks[0].attn1.to_q,
            comfy_lora_tol=(1e-4, 1e-4)),

@@ -70,3 +70,34 @@ def test_no_other_module_compares_optimizer_names():
 def test_the_name_check_sees_a_comparison(tmp_path):
     (tmp_path / "memory.py").write_text("def f(layout):\n    return layout.optimizer in ('adamw-8bit', 'x')\n")
     assert name_comparisons(tmp_path, set(optimizers.OPTIMIZERS)) == ["memory.py:2"]
+
+
+def test_adafactor_resumes_its_fp32_state_over_bf16_masters_bit_for_bit():
+    """torch's Optimizer.load_state_dict casts floating state to the parameter's dtype: a resumed Adafactor over
+    bf16 masters got a bf16 second moment and left the uninterrupted run from its first step. zerotrain's keeps
+    the saved dtypes, so the next steps are the uninterrupted ones exactly."""
+    import torch
+
+    from zerotrain.config import RunConfig
+
+    settings = optimizers.client_settings("adafactor", RunConfig(optimizer={"name": "adafactor", "lr": 1e-2}))
+    grads = [torch.randn(64, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(4)]
+
+    def stepped(optimizer, param, steps):
+        for grad in steps:
+            param.grad = grad.clone()
+            optimizer.step()
+
+    param = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(9)).bfloat16())
+    straight = optimizers.build(settings, [param])
+    stepped(straight, param, grads[:2])
+    saved, resumed_param = straight.state_dict(), torch.nn.Parameter(param.detach().clone())
+    resumed = optimizers.build(settings, [resumed_param])
+    resumed.load_state_dict(saved)
+    assert optimizers.name_of(resumed) == "adafactor"  # zerotrain_state.json's name, which a resume checks
+    assert {k: v.dtype for k, v in resumed.state[resumed_param].items() if torch.is_tensor(v)} == {
+        "exp_avg_sq": torch.float32, "RMS": torch.float32}
+    stepped(straight, param, grads[2:])
+    stepped(resumed, resumed_param, grads[2:])
+    assert torch.equal(param, resumed_param)
+    assert torch.equal(straight.state[param]["exp_avg_sq"], resumed.state[resumed_param]["exp_avg_sq"])
