@@ -255,8 +255,8 @@ def build_model_folder(name: str, blocks: int | None, folder: Path) -> Path:
 
     from zerotrain import families
     from zerotrain.config.sections import ModelConfig
+    from zerotrain.families.runtime.parts.tiny import diffusers_class, seeded
     from zerotrain.models.catalog import resolve_model
-    from zerotrain.families.parts.tiny import diffusers_class, seeded
 
     spec = resolve_model(ModelConfig(name_or_path=name))
     family = families.of(spec)

@@ -97,7 +97,7 @@ def processors(folder: Path) -> dict[str, Any]:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-    from zerotrain.families.parts import qwen_image_edit
+    from zerotrain.families.runtime.parts import qwen_image_edit
 
     with mock.patch.object(qwen_image_edit, "vl_backend", return_value="pil"):
         pil = qwen_image_edit.load_processor(folder)
@@ -125,7 +125,7 @@ def encoder_images(name: str, pipeline: Any, pictures: list[Image.Image]) -> lis
     (zerotrain's vl_images), QwenImageEditPipeline's reference at 1024 x 1024 px of area (its __call__)."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    from zerotrain.families.parts.qwen_image_edit import vl_images
+    from zerotrain.families.runtime.parts.qwen_image_edit import vl_images
 
     if name == "plus":
         return vl_images(pipeline, pictures)

@@ -52,7 +52,7 @@ from zerotrain import families
 from zerotrain.adapters import ADAPTER, is_adapter, lora_pairs
 from zerotrain.config import Mode, RunConfig
 from zerotrain.errors import ZerotrainError, one_line
-from zerotrain.families.base import kohya_lora
+from zerotrain.families.runtime.base import kohya_lora
 from zerotrain.models.catalog import resolve_model
 from zerotrain.protocols import ModelSpec
 from zerotrain.quiet import hidden_warnings

@@ -25,7 +25,7 @@ import torch
 from zerotrain import families
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.base import text_and_pooled
+from zerotrain.families.runtime.base import text_and_pooled
 from zerotrain.protocols import Family, ModelSpec
 
 if TYPE_CHECKING:

@@ -24,6 +24,16 @@ if TYPE_CHECKING:
     import torch
 
 
+def torch_side(member: Any) -> Any:
+    """Marks a protocol member whose work needs torch, diffusers or transformers (tensors, modules, pipelines).
+    A family (or codec) is two classes: its declarations, in a module that imports none of them (the planner
+    reads those without torch), and its torch side, a subclass of them in zerotrain/families/runtime/ that
+    imports them at module level. The declarations must hold every other member; a torch-side member may sit
+    on either, and the declarations reach the torch side on first use (zerotrain.families.parts.declared)."""
+    member.torch_side = True
+    return member
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A resolved denoiser: enough to build it on the meta device and to shape its latents."""
@@ -126,16 +136,19 @@ class LatentCodec(Protocol):
         """Channels of a loaded VAE's latents, as the denoiser sees them (after any folding)."""
         ...
 
+    @torch_side
     def posterior(self, vae: Any, pixels: torch.Tensor) -> Any:
         """The VAE's latent distribution of (B, 3, H, W) pixels in [-1, 1]: .mean, .std and
         .sample(generator), each (B, C, h, w)."""
         ...
 
+    @torch_side
     def normalize_latents(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
         """VAE latents (B, C, h, w) into the denoiser's space, as the pipeline's inverse before
         decoding expects them: (z - shift) * scaling for an AutoencoderKL."""
         ...
 
+    @torch_side
     def normalize_std(self, vae: Any, std: torch.Tensor) -> torch.Tensor:
         """The posterior's std through normalize_latents (the shift drops out)."""
         ...
@@ -215,6 +228,7 @@ class DenoiserModel(Protocol):
         proportion to the published depths (at least one each): a quick calibration model."""
         ...
 
+    @torch_side
     def enable_checkpointing(self, model: torch.nn.Module, blocks: list[str] | None = None,
                              checkpoint_fn: Any = None) -> None:
         """Gradient checkpointing of every block (blocks None), as diffusers'
@@ -223,6 +237,7 @@ class DenoiserModel(Protocol):
         offload: recompute.OffloadingCheckpoint)."""
         ...
 
+    @torch_side
     def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
         """The pipeline class and every component but the VAE for a tiny model of this family, the
         denoiser built from `denoiser` (a catalog config) and text encoders as narrow as it expects."""
@@ -250,6 +265,7 @@ class TextConditioning(Protocol):
     """What encode_prompt adds to text_outputs for a caption read with its images: image_pad_mask (where the
     images' rows sat), and Qwen-Image-Edit's image_rows (the text encoder's rows of the images)."""
 
+    @torch_side
     def encoder_pipeline(self, pipeline_class: Any, folder: Path, dtype: torch.dtype, skipped: dict[str, None]) -> Any:
         """The family's pipeline loaded from a model folder with its VAE, tokenizers and text encoders and
         without the components named in `skipped` (the denoiser, the scheduler): pipeline_class.from_pretrained
@@ -261,16 +277,19 @@ class TextConditioning(Protocol):
         with: text_components by default (Qwen-Image-Edit's pipelines read through their processor)."""
         ...
 
+    @torch_side
     def text_reference_identity(self, spec: ModelSpec) -> tuple[Any, ...]:
         """What else, besides the references and data.background, an edit caption's text depends on where
         text_reads_references (the image processor that reads them), for its cache key: () by default."""
         ...
 
+    @torch_side
     def text_pipeline(self, pipeline_class: Any, components: dict[str, Any]) -> Any:
         """The family's pipeline around loaded tokenizers and text encoders (the other components None),
         whose encode_prompt is the reference: pipeline_class(**components) by default."""
         ...
 
+    @torch_side
     def encode_prompt(
         self, pipeline: Any, captions: list[str], text_tokens: int, device: torch.device
     ) -> dict[str, torch.Tensor]:
@@ -280,6 +299,7 @@ class TextConditioning(Protocol):
         and adds reference_text_outputs to its outputs."""
         ...
 
+    @torch_side
     def negative_embeds(self, folder: Path, negative_prompt: str, encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The negative conditioning classifier-free guidance uses, given the encoded negative prompt."""
         ...
@@ -308,6 +328,7 @@ class Objective(Protocol):
     """The target's tokens are the output's last rows (Qwen-Image 2.1's block-causal sequence puts the
     target after the text and the references), not its first."""
 
+    @torch_side
     def scheduler_config(self, folder: Path) -> dict[str, Any]:
         """The scheduler config the pipeline samples with: the model folder's scheduler/scheduler_config.json
         by default."""
@@ -317,6 +338,7 @@ class Objective(Protocol):
         """DDPM families: whether the UNet takes SDXL's pooled text and size/crop time ids."""
         ...
 
+    @torch_side
     def dynamic_shift(self, scheduler_config: dict[str, Any], image_seq_len: int) -> float:
         """The shift the pipeline samples with for image_seq_len image tokens when the scheduler uses
         dynamic shifting. By default FluxPipeline's: mu from diffusers' calculate_shift, linear in the
@@ -324,12 +346,14 @@ class Objective(Protocol):
         (max_image_seq_len, max_shift), shift_defaults filling what the config leaves out."""
         ...
 
+    @torch_side
     def sampling_shift(self, spec: ModelSpec, scheduler_config: dict[str, Any], image_seq_len: int) -> float:
         """The shift training draws sigma with for image_seq_len image tokens: the one the pipeline samples
         with. By default the scheduler's: dynamic_shift when it uses dynamic shifting, its static shift
         otherwise; a pipeline that sets its own sigmas says how they shift."""
         ...
 
+    @torch_side
     def flow_inputs(
         self, objective: FlowObjective, x_t: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor,
         batch: dict[str, torch.Tensor],
@@ -338,17 +362,20 @@ class Objective(Protocol):
         (B,), as the pipeline feeds them, and the target (noise - x0) laid out as the denoiser's output."""
         ...
 
+    @torch_side
     def prediction(self, output: Any) -> torch.Tensor:
         """The denoiser's prediction as one tensor the shape of the target, from the first element of
         its return_dict=False output."""
         ...
 
+    @torch_side
     def target_layout(self, latents: torch.Tensor) -> torch.Tensor:
         """Latent-grid values (B, C, h, w) laid out as the target and the denoiser's output (packed into
         tokens where the family packs latents): flow_inputs lays out its target so, and a loss mask
         follows it."""
         ...
 
+    @torch_side
     def example_inputs(
         self, spec: ModelSpec, batch: int, height: int, width: int, text_tokens: int,
         device: torch.device | str, dtype: torch.dtype,
@@ -371,6 +398,7 @@ class References(Protocol):
         "takes no reference images" (a text-to-image model) by default."""
         ...
 
+    @torch_side
     def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
                        area: int | None) -> tuple[int, int]:
         """The (width, height) in pixels a reference is encoded at, as the pipeline sizes it, for a
@@ -378,6 +406,7 @@ class References(Protocol):
         square is the reference's area instead of the pipeline's (data.control_resolution)."""
         ...
 
+    @torch_side
     def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[torch.Tensor]) -> dict[str, Any]:
         """The denoiser's forward arguments (flow_inputs' or example_inputs') with the references'
         clean latents (each (B, C, h, w), normalized as the target's) appended after the noisy tokens,
@@ -391,6 +420,7 @@ class References(Protocol):
         where the text keeps them (Qwen-Image-Edit): what the planner adds to the text it traces. 0 by default."""
         ...
 
+    @torch_side
     def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
                          area: int | None = None) -> dict[str, Any]:
         """The pipeline __call__ arguments that give it these reference images (PIL, already at
@@ -435,6 +465,7 @@ class Validation(Protocol):
         the trained denoiser (settings of its folder's model_index.json): pipeline_extras by default."""
         ...
 
+    @torch_side
     def validation_pipeline(self, spec: ModelSpec, folder: Path, components: dict[str, Any], device: torch.device) -> Any:
         """The pipeline that renders validation images from `components` (the trained denoiser, a VAE, the
         scheduler, no text encoders) and the model folder: the family pipeline's own class by default; a
@@ -447,6 +478,7 @@ class Validation(Protocol):
         while it renders, and the planner counts them; 0 by default."""
         ...
 
+    @torch_side
     def validation_kwargs(
         self, embeds: dict[str, torch.Tensor], negative: dict[str, torch.Tensor] | None, guidance_scale: float
     ) -> dict[str, Any]:
@@ -461,6 +493,7 @@ class KeyMaps(Protocol):
     """Whether the family pipeline's load_lora_weights reads a LoKr (diffusers 0.42: Z-Image, FLUX.2): the
     diffusers export writes a LoKr or LoHa only for such a family."""
 
+    @torch_side
     def comfyui_lora(
         self, model: torch.nn.Module, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float
     ) -> dict[str, torch.Tensor]:
@@ -468,6 +501,7 @@ class KeyMaps(Protocol):
         module to its (lora_A, lora_B) weights; kohya's "<name>.lora_down/.lora_up/.alpha"."""
         ...
 
+    @torch_side
     def comfyui_adapter(self, model: torch.nn.Module, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A LoKr or LoHa (peft's names, "<module>.lokr_w1", its scale baked in) in the names ComfyUI's
         LyCORIS loaders read for this family, without alpha (ComfyUI then scales by 1)."""
@@ -478,11 +512,13 @@ class KeyMaps(Protocol):
         line where the family has no such export."""
         ...
 
+    @torch_side
     def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A full fine-tune's denoiser weights in the key naming ComfyUI's "Load Diffusion Model" reads
         (diffusers' own names, which ComfyUI converts, by default)."""
         ...
 
+    @torch_side
     def comfyui_markers(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
         """Keys beside a full fine-tune's ComfyUI weights that ComfyUI's model detection reads as a variant's
         mark (Edit-2511's empty __index_timestep_zero__): none by default."""
@@ -497,11 +533,20 @@ class Family(DenoiserModel, TextConditioning, Objective, References, Validation,
     (protocol_members(Family)) is checked when the families are found."""
 
 
-def protocol_members(protocol: type) -> tuple[str, ...]:
-    """Every attribute and method a protocol of this module asks for, its bases' included."""
+def protocol_members(protocol: type, side: str | None = None) -> tuple[str, ...]:
+    """Every attribute and method a protocol of this module asks for, its bases' included: of one side only
+    with `side` ("declared": what the planner may read without torch; "torch": the members marked torch_side)."""
     names: dict[str, None] = {}
     for cls in reversed(protocol.__mro__):
         if cls.__module__ == __name__:
             names.update(dict.fromkeys(inspect.get_annotations(cls)))
             names.update(dict.fromkeys(n for n in vars(cls) if not n.startswith("_")))
-    return tuple(names)
+    if side is None:
+        return tuple(names)
+    if side not in ("declared", "torch"):
+        raise ValueError(f"side must be 'declared' or 'torch', not {side!r}")
+    return tuple(n for n in names if (side == "torch") == _is_torch_side(protocol, n))
+
+
+def _is_torch_side(protocol: type, name: str) -> bool:
+    return bool(getattr(getattr(protocol, name, None), "torch_side", False))

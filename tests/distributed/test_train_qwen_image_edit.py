@@ -86,7 +86,7 @@ def full_run(qwen_edit, folder_2509):
 def pipeline_of(folder, **components):
     from diffusers import QwenImageEditPlusPipeline
 
-    from zerotrain.families.parts.qwen_image_edit import load_processor
+    from zerotrain.families.runtime.parts.qwen_image_edit import load_processor
 
     pipeline = QwenImageEditPlusPipeline.from_pretrained(folder, processor=load_processor(folder), **components)
     pipeline.set_progress_bar_config(disable=True)

@@ -111,7 +111,7 @@ def flux3_blocks(folder, transformer=None):
 def qwen_image21_pipeline(folder, **components):
     from diffusers import QwenImage21Pipeline
 
-    from zerotrain.families.qwen_image21 import load_processor
+    from zerotrain.families.runtime.qwen_image21 import load_processor
 
     pipeline = QwenImage21Pipeline.from_pretrained(folder, processor=load_processor(folder), **components)
     pipeline.set_progress_bar_config(disable=True)

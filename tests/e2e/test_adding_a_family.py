@@ -1,6 +1,6 @@
 """docs/families.md's "Adding a family" lists every file a new family needs, and no more. The proof: a copy of the
 repository gets exactly what the list names for a test-only family (tests/e2e/new_family/: FLUX.1's parts under
-the name flux_lite, its catalog configs naming it with "_zerotrain_family", its table rows and README row), then
+the name flux_lite, its declarations and its torch side, its catalog configs naming it with "_zerotrain_family", its table rows and README row), then
 `zerotrain regenerate flux-lite` runs in the copy (the copy's zerotrain, not the installed one). The files that
 changed are exactly those and what regenerate writes (the new model's shipped facts; the presets come out the
 same); in the copy the new row's conformance checks pass (tests/unit/test_families.py), as do the tests of the
@@ -30,12 +30,14 @@ DATA = Path(__file__).with_name("new_family")
 NAME, MODEL = "flux_lite", "flux-lite"
 
 # The list, as this family follows it: path in the repository -> how it is written into the copy.
-FAMILY_FILE = f"zerotrain/families/{NAME}.py"
+# The family's declarations, and its torch side (zerotrain.families.parts.declared).
+FAMILY_FILES = {f"zerotrain/families/{NAME}.py": f"{NAME}.py",
+                f"zerotrain/families/runtime/{NAME}.py": f"runtime_{NAME}.py"}
 CATALOG_FILES = (f"zerotrain/models/catalog/{MODEL}.json", f"zerotrain/models/catalog/tiny-{MODEL}.json")
 TABLE_ROWS = {"tests/unit/test_families.py": "test_families_row.txt",
               "tests/distributed/test_train_table.py": "test_train_table_row.txt"}
 README_ROW = ("README.md", "readme_row.md", "<!-- end families table -->")
-LISTED = {FAMILY_FILE, *CATALOG_FILES, *TABLE_ROWS, README_ROW[0]}
+LISTED = {*FAMILY_FILES, *CATALOG_FILES, *TABLE_ROWS, README_ROW[0]}
 # What `zerotrain regenerate flux-lite` writes that differs: the new model's shipped facts (it rewrites every
 # preset in deepspeed_configs/ too, which adding a family leaves as they were).
 GENERATED = {f"zerotrain/planner/shipped_facts/{MODEL}.json"}
@@ -72,7 +74,8 @@ def insert_before(text: str, line: str, start: str, row: str, where: str) -> str
 
 def follow_the_list(copy: Path) -> None:
     """Write into the copy exactly what "Adding a family" names: the family file, its catalog configs, its rows."""
-    shutil.copyfile(DATA / f"{NAME}.py", copy / FAMILY_FILE)
+    for path, name in FAMILY_FILES.items():
+        shutil.copyfile(DATA / name, copy / path)
     for path in CATALOG_FILES:
         shutil.copyfile(DATA / Path(path).name, copy / path)
     rows = [(path, row, "]\n", "\nFAMILIES = [") for path, row in TABLE_ROWS.items()]  # before its closing bracket

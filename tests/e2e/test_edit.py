@@ -299,7 +299,7 @@ def qwen_forward(folder, pipeline_class, run, spec, batch, planned, seed, images
     control images itself (its own processor where torchvision is installed, else load_processor's)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from zerotrain.families.parts.qwen_image_edit import load_processor
+    from zerotrain.families.runtime.parts.qwen_image_edit import load_processor
 
     scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     ours = make_objective(spec, scheduler, run.objective, 64).prepare(batch, torch.Generator().manual_seed(seed)).model_kwargs

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from zerotrain.config import ModelConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.parts.latents import scale_latents
-from zerotrain.families.sdxl import sdxl_time_ids
+from zerotrain.families.runtime.parts.latents import scale_latents
+from zerotrain.families.runtime.sdxl import sdxl_time_ids
 from zerotrain.models import conditioning
 from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import (

@@ -277,7 +277,7 @@ def _flux2_scheduler():
 
 
 def _flux3_scheduler():
-    from zerotrain.families.flux3 import settings
+    from zerotrain.families.runtime.flux3 import settings
 
     scheduler = settings()["scheduler"].create()  # the blocks' own (shift 6.93)
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 4, 4))
@@ -441,7 +441,7 @@ def _flux2_back(comfy, weights, folder, tmp_path):
 
 
 def _qwen21_loader(folder):
-    from zerotrain.families.qwen_image21 import load_processor
+    from zerotrain.families.runtime.qwen_image21 import load_processor
 
     return diffusers.QwenImage21Pipeline.from_pretrained(folder, processor=load_processor(folder))
 
@@ -831,7 +831,7 @@ def folder(row, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipeline(row, folder):
     if row.name == "qwen_image21":  # its processor built without torchvision
-        from zerotrain.families.qwen_image21 import load_processor
+        from zerotrain.families.runtime.qwen_image21 import load_processor
 
         return tiny_pipeline(folder, row.pipeline, processor=load_processor(folder))
     return tiny_pipeline(folder, row.pipeline)

@@ -25,8 +25,10 @@ from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.engine import load_denoiser
 from zerotrain.export import lora_metadata
 from zerotrain.families import of
-from zerotrain.families.chroma import FAMILY, used_text_tokens
-from zerotrain.families.parts.flux1 import FLUX_SCHEDULER, pack_latents
+from zerotrain.families.chroma import FAMILY
+from zerotrain.families.parts.flux1 import FLUX_SCHEDULER
+from zerotrain.families.runtime.chroma import used_text_tokens
+from zerotrain.families.runtime.parts.flux1 import pack_latents
 from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import encode_prompts
 from zerotrain.objectives import make_objective

@@ -34,7 +34,9 @@ from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families import example_inputs
-from zerotrain.families.flux3 import FAMILY, padded_text, settings, text_processor
+from zerotrain.families.flux3 import FAMILY
+from zerotrain.families.runtime.flux3 import padded_text, settings
+from zerotrain.families.runtime.parts.qwen_vl import text_processor
 from zerotrain.models.catalog import check_trainable
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
 from zerotrain.objectives import flow_interpolate, flow_target, make_objective

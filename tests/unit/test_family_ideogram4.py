@@ -22,10 +22,10 @@ from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
 from zerotrain.families.ideogram4 import FAMILY, IDEOGRAM4_SCHEDULER
-from zerotrain.families.parts.tiny import QWEN3_VL_TEXT_TEMPLATE
+from zerotrain.families.runtime.parts.tiny import QWEN3_VL_TEXT_TEMPLATE
 
 fold = FAMILY.codec.fold
-from zerotrain.families.parts.tiny import QWEN3_PROMPT
+from zerotrain.families.runtime.parts.tiny import QWEN3_PROMPT
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts
 from zerotrain.objectives import make_objective
 

@@ -19,8 +19,8 @@ from PIL import Image
 
 from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
 from zerotrain.config.sections import ObjectiveConfig
-from zerotrain.families.base import compact_rows, trim_rows
 from zerotrain.families.krea2 import KREA2_SCHEDULER
+from zerotrain.families.runtime.base import compact_rows, trim_rows
 from zerotrain.models.conditioning import encode_prompts
 from zerotrain.objectives import make_objective
 

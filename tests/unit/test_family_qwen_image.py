@@ -33,8 +33,8 @@ from zerotrain.config import ModelConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.families import example_inputs, of
-from zerotrain.families.parts.latents import qwen_pack_latents as pack_latents
 from zerotrain.families.qwen_image import FAMILY, QWEN_SCHEDULER
+from zerotrain.families.runtime.parts.latents import qwen_pack_latents as pack_latents
 from zerotrain.models.catalog import check_trainable, is_plan_only, resolve_model
 from zerotrain.models.conditioning import encode_prompts
 from zerotrain.models.tiny import build_tiny_pipeline

@@ -26,7 +26,8 @@ from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.data.prepare import prepare
 from zerotrain.errors import ZerotrainError
 from zerotrain.export import comfyui_lora_state_dict
-from zerotrain.families.qwen_image21 import FAMILY, load_processor, tokens
+from zerotrain.families.qwen_image21 import FAMILY
+from zerotrain.families.runtime.qwen_image21 import load_processor, tokens
 from zerotrain.models.conditioning import encode_prompts
 from zerotrain.objectives import flow_target, make_objective
 from zerotrain.planner.measure import measure_model
@@ -229,7 +230,7 @@ def test_edit_validation_renders_what_the_pipeline_renders_from_the_prompt_and_i
     pipeline keeps (condition_size), so its text encoder reads the image the cached text was encoded with."""
     from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
-    from zerotrain.families.qwen_image21 import condition_size
+    from zerotrain.families.runtime.qwen_image21 import condition_size
 
     for area in (SIDE * SIDE, 1024 * 1024, 768 * 768):
         for control in ((1000, 700), (333, 1024), (4000, 2250), (SIDE, SIDE)):

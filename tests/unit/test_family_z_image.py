@@ -30,15 +30,9 @@ from tests.unit.tiny_family import gen, spec_of, tiny_fixtures
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
 from zerotrain.families import example_inputs
-from zerotrain.families.parts.tiny import QWEN3_PROMPT
-from zerotrain.families.z_image import (
-    FAMILY,
-    Z_IMAGE_SCHEDULER,
-    caption_list,
-    max_text_tokens,
-    model_time,
-    pad_captions,
-)
+from zerotrain.families.runtime.parts.tiny import QWEN3_PROMPT
+from zerotrain.families.runtime.z_image import caption_list, model_time, pad_captions
+from zerotrain.families.z_image import FAMILY, Z_IMAGE_SCHEDULER, max_text_tokens
 from zerotrain.models.conditioning import encode_prompts
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import (

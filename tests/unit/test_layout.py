@@ -1,6 +1,7 @@
 """The code's shape: no import cycles among zerotrain's modules, counting every import edge (lazy imports
-inside functions, imports only for type checking, package __init__ files), and no module outside
-zerotrain/families/ tests a family's name."""
+inside functions, imports only for type checking, package __init__ files); no module outside
+zerotrain/families/ tests a family's name; no family imports another; and each family's two sides import at
+module level, its declarations nothing heavy and its torch side (zerotrain/families/runtime/) all it needs."""
 
 from __future__ import annotations
 
@@ -229,16 +230,24 @@ def test_every_family_module_defines_one_family():
 BELOW_FAMILIES = {"zerotrain.errors", "zerotrain.protocols", "zerotrain.quiet", "zerotrain.recompute"}
 
 
+def torch_side_of(module: str) -> str:
+    """zerotrain.families.x -> zerotrain.families.runtime.x: where a family's (or part's) torch side lives."""
+    return module.replace("zerotrain.families.", "zerotrain.families.runtime.", 1)
+
+
 def family_rule_breaks(graph: dict[str, set[str]], family_modules: set[str]) -> list[str]:
-    """Import edges that break families/' rules: a family module importing another family module, a part
-    (or base) importing a family module, families/ importing a module above it. One line each. The package's
-    __init__ finds the families, so it imports them all."""
+    """Import edges that break families/' rules: a family module importing another family module, a family's
+    torch side importing another family's declarations or torch side, a part (or base) importing a family
+    module, families/ importing a module above it. One line each. The package's __init__ finds the families,
+    so it imports them all; a family's torch side imports its own declarations."""
+    torch_sides = {torch_side_of(module): module for module in family_modules}
     found = []
     for name, edges in sorted(graph.items()):
         if not name.startswith("zerotrain.families"):
             continue
         for target in sorted(edges - {name}):
-            if target in family_modules and name != "zerotrain.families":  # discovery imports every family
+            own = torch_sides.get(name) == target
+            if (target in family_modules or target in torch_sides) and name != "zerotrain.families" and not own:
                 found.append(f"{name} imports the family module {target}")
             elif not target.startswith("zerotrain.families") and target not in BELOW_FAMILIES | {"zerotrain"}:
                 found.append(f"{name} imports {target}, above families/")
@@ -259,7 +268,11 @@ def test_the_family_rule_finder_sees_sibling_and_upward_imports(tmp_path):
                        "families/__init__.py": "", "families/base.py": "",
                        "families/parts/__init__.py": "", "families/parts/vae.py": "from zerotrain.families import b\n",
                        "families/a.py": "from zerotrain.families.parts import vae\nfrom zerotrain import errors\n",
-                       "families/b.py": "def f():\n    from zerotrain.families.a import X\n    from zerotrain import planner\n"}.items():
+                       "families/b.py": "def f():\n    from zerotrain.families.a import X\n    from zerotrain import planner\n",
+                       "families/runtime/__init__.py": "",
+                       "families/runtime/a.py": "from zerotrain.families.a import A\n",
+                       "families/runtime/b.py": "from zerotrain.families.b import B\nfrom zerotrain.families.runtime import a\n",
+                       }.items():
         (package / path).parent.mkdir(parents=True, exist_ok=True)
         (package / path).write_text(text)
     graph = import_graph(tmp_path, "zerotrain")
@@ -267,6 +280,60 @@ def test_the_family_rule_finder_sees_sibling_and_upward_imports(tmp_path):
         "zerotrain.families.b imports the family module zerotrain.families.a",
         "zerotrain.families.b imports zerotrain.planner, above families/",
         "zerotrain.families.parts.vae imports the family module zerotrain.families.b",
+        "zerotrain.families.runtime.b imports the family module zerotrain.families.runtime.a",
+    ]
+
+
+# What a family's declarations may not import, at any depth: the planner reads them without torch
+# (zerotrain.families.parts.declared).
+HEAVY = {"torch", "diffusers", "transformers", "tokenizers", "peft", "safetensors", "optimum", "bitsandbytes",
+         "deepspeed", "PIL", "numpy", "zerotrain.families.runtime"}
+
+
+def two_sides_breaks(root: Path) -> list[str]:
+    """Under families/ (`root`): a declarations module (outside runtime/) that imports a heavy library or a
+    torch side anywhere in it, and a torch side (under runtime/) that imports inside a function rather than at
+    module level. One line each."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        torch_side = "runtime" in path.relative_to(root).parts
+        nested = {id(node) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+                  for node in ast.walk(fn)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if torch_side and id(node) in nested:
+                found.append(f"{where}:{node.lineno} imports {', '.join(names)} inside a function")
+            heavy = [n for n in names if any(n == h or n.startswith(h + ".") for h in HEAVY)]
+            if not torch_side and heavy:
+                found.append(f"{where}:{node.lineno} imports {', '.join(heavy)} in a family's declarations")
+    return found
+
+
+def test_declarations_import_no_torch_and_torch_sides_import_at_module_level():
+    """Each side of a family imports at module level: the declarations nothing heavy (not even lazily), the
+    torch side (zerotrain/families/runtime/) everything it needs, at its top."""
+    assert (PACKAGE / "families" / "runtime" / "base.py").is_file()
+    assert two_sides_breaks(PACKAGE / "families") == []
+
+
+def test_the_two_sides_finder_sees_lazy_and_heavy_imports(tmp_path):
+    root = tmp_path / "families"
+    for path, text in {"a.py": "def f():\n    import torch\n",
+                       "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from diffusers import X\n",
+                       "c.py": "from zerotrain.families.runtime.parts import tiny\nimport json\n",
+                       "runtime/a.py": "import torch\n\n\ndef f():\n    from transformers import T5Config\n",
+                       "runtime/b.py": "import torch\nfrom diffusers import FluxPipeline\n"}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    assert two_sides_breaks(root) == [
+        "families/a.py:2 imports torch in a family's declarations",
+        "families/b.py:3 imports diffusers in a family's declarations",
+        "families/c.py:1 imports zerotrain.families.runtime.parts in a family's declarations",
+        "families/runtime/a.py:5 imports transformers inside a function",
     ]
 
 

@@ -16,9 +16,11 @@ from diffusers.training_utils import compute_snr
 from zerotrain.config import ModelConfig
 from zerotrain.config.sections import ObjectiveConfig
 from zerotrain.errors import ZerotrainError
-from zerotrain.families.parts.flux1 import FLUX_SCHEDULER, pack_latents  # the published scheduler configs
+from zerotrain.families.parts.flux1 import FLUX_SCHEDULER
+from zerotrain.families.runtime.parts.flux1 import pack_latents
+from zerotrain.families.runtime.sdxl import sdxl_time_ids
 from zerotrain.families.sd3 import SD3_SCHEDULER
-from zerotrain.families.sdxl import SDXL_TIME_IDS, sdxl_time_ids
+from zerotrain.families.sdxl import SDXL_TIME_IDS
 from zerotrain.models.catalog import resolve_model
 from zerotrain.models.tiny import build_tiny_pipeline
 from zerotrain.objectives import (

@@ -10,7 +10,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from benchmarks import qwen_edit_processor as bench
-from zerotrain.families.parts import qwen_image_edit
+from zerotrain.families.runtime.parts import qwen_image_edit
 from zerotrain.models.tiny import build_tiny_pipeline
 
 # Bounds, from the measurement on tiny-qwen-image-edit-2511 (benchmarks/results/cpu-2026-11-28-qwen-edit-processor.txt)

@@ -11,6 +11,7 @@ families may train one diffusers class."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import pkgutil
 from functools import cache
@@ -41,7 +42,7 @@ def all_families() -> tuple[Family, ...]:
     """Every family, in module name order."""
     found = []
     for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if module.name.startswith("_") or module.name == "base":
+        if module.name.startswith("_") or module.name == "base" or module.ispkg:
             continue
         family = getattr(importlib.import_module(f"{__name__}.{module.name}"), "FAMILY", None)
         if family is None:
@@ -65,17 +66,32 @@ def _check_defaults(found: list[Family]) -> None:
 
 
 def check_family(family: object, where: str) -> None:
-    """One line when `family` lacks a member of the whole contract: zerotrain.protocols.Family, its parts'
-    protocols included (what export and validation ask too), and its codec's LatentCodec."""
-    missing = [member for member in _MEMBERS if not hasattr(family, member)]
-    missing += [f"codec.{member}" for member in _CODEC_MEMBERS if not hasattr(getattr(family, "codec", None), member)]
+    """One line when `family` lacks a member of the whole contract (zerotrain.protocols.Family, its parts'
+    protocols included: what export and validation ask too, and its codec's LatentCodec) where it must hold it
+    without torch: the declarations hold every member not marked torch_side, and name a torch side
+    (runtime_class) that exists. The torch side's own members are checked when it loads
+    (zerotrain.families.parts.declared), which imports torch."""
+    missing = [member for member in _DECLARED if not hasattr(type(family), member)]
+    codec = getattr(type(family), "codec", None)
+    missing += [f"codec.{member}" for member in _CODEC_DECLARED if not hasattr(type(codec), member)]
+    missing += [f"{prefix}runtime_class" for prefix, declared in (("", family), ("codec.", codec))
+                if not _finds_runtime(declared)]
     if missing:
         raise TypeError(f"{where} lacks {', '.join(missing)} of zerotrain.protocols.Family")
 
 
-# What a FAMILY must have: the protocol's attributes and methods.
-_MEMBERS = protocol_members(Family)
-_CODEC_MEMBERS = protocol_members(LatentCodec)
+def _finds_runtime(declared: object) -> bool:
+    """Whether the declarations name a torch side whose module exists (found, not imported)."""
+    module, _, name = str(getattr(type(declared), "runtime_class", "")).partition(":")
+    try:
+        return bool(name) and importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+# What a FAMILY (and its codec) must hold without torch: the protocols' members not marked torch_side.
+_DECLARED = protocol_members(Family, "declared")
+_CODEC_DECLARED = protocol_members(LatentCodec, "declared")
 
 
 def by_class(class_name: str) -> Family | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from zerotrain.families.base import area_size
-from zerotrain.families.parts.flux1 import Flux1, latent_image_ids, pack_latents
+from zerotrain.families.parts.flux1 import Flux1
 
 if TYPE_CHECKING:
     from zerotrain.protocols import ModelSpec
@@ -17,6 +17,7 @@ KONTEXT_PIPELINE = "FluxKontextPipeline"
 
 
 class Flux(Flux1):
+    runtime_class = "zerotrain.families.runtime.flux:FluxRuntime"
     name = "flux"
     title = "FLUX.1"
     denoiser_classes = ("FluxTransformer2DModel",)
@@ -44,20 +45,6 @@ class Flux(Flux1):
         if not self.max_references(spec):
             raise self._no_references(spec)
         return target if area is None else area_size(control, area, self.pixel_factor(spec))
-
-    def add_references(self, spec: ModelSpec, kwargs: dict[str, Any], references: list[Any]) -> dict[str, Any]:
-        """FluxKontextPipeline's: the image latents packed (_pack_latents) after the noisy tokens, their
-        ids the target grid's ids (_prepare_latent_image_ids) with channel 0 set to 1; one timestep."""
-        import torch
-
-        hidden, ids = [kwargs["hidden_states"]], [kwargs["img_ids"]]
-        for latents in references:
-            _, _, h, w = latents.shape
-            hidden.append(pack_latents(latents).to(kwargs["hidden_states"].dtype))
-            image_ids = latent_image_ids(h, w, latents.device).clone()
-            image_ids[..., 0] = 1
-            ids.append(image_ids)
-        return {**kwargs, "hidden_states": torch.cat(hidden, dim=1), "img_ids": torch.cat(ids, dim=0)}
 
     def reference_kwargs(self, spec: ModelSpec, images: list[Any], size: tuple[int, int],
                          area: int | None = None) -> dict[str, Any]:

@@ -2,5 +2,5 @@
 conditioning models and their encoders (conditioning), and tiny models for tests (tiny).
 
 This __init__ imports nothing: the catalog asks the families (which build their tiny models' parts from
-zerotrain.families.parts.tiny, below this package); importing one submodule must not import the others.
+zerotrain.families.runtime.parts.tiny, below this package); importing one submodule must not import the others.
 """

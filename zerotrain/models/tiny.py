@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from zerotrain import families
-from zerotrain.families.parts.tiny import diffusers_class, seeded
+from zerotrain.families.runtime.parts.tiny import diffusers_class, seeded
 from zerotrain.models.catalog import _catalog_entry, catalog_names, pipeline_index
 
 # The catalog's tiny models: every entry named tiny-*.
@@ -52,7 +52,7 @@ def build_tiny_pipeline(name: str, folder: Path) -> Path:
 
 def _name_transformers_classes(folder: Path, pipeline: Any) -> None:
     """model_index.json naming each component of a zerotrain subclass of a transformers class (a processor
-    built without torchvision: families.parts.qwen_vl.text_processor) by that transformers class, as the published repos do."""
+    built without torchvision: families.runtime.parts.qwen_vl.text_processor) by that transformers class, as the published repos do."""
     path = folder / "model_index.json"
     if not path.is_file():
         return

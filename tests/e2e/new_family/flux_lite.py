@@ -1,6 +1,7 @@
 """FLUX Lite, a family made for tests/e2e/test_adding_a_family.py: FLUX.1's parts (parts.flux1.Flux1) under a
 name of its own, with FLUX.1 [schnell]'s pipeline defaults. It trains FluxTransformer2DModel, whose default
-family is FLUX.1's, so its catalog configs name it ("_zerotrain_family": "flux_lite")."""
+family is FLUX.1's, so its catalog configs name it ("_zerotrain_family": "flux_lite"). Its torch side is
+zerotrain.families.runtime.flux_lite."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from zerotrain.families.parts.flux1 import Flux1
 
 
 class FluxLite(Flux1):
+    runtime_class = "zerotrain.families.runtime.flux_lite:FluxLiteRuntime"
     name = "flux_lite"
     title = "FLUX Lite"
     denoiser_classes = ("FluxTransformer2DModel",)

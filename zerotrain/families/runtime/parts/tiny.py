@@ -10,6 +10,11 @@ import string
 from collections import Counter
 from typing import Any
 
+import diffusers
+import torch
+from tokenizers import AddedToken
+from transformers import CLIPTextConfig, CLIPTokenizer, Qwen2Tokenizer, Qwen3VLConfig, T5Config, T5Tokenizer
+
 # Captions the tiny tokenizers learn their merges / pieces from.
 _CORPUS = (
     "a photo of a cat sitting on a red chair",
@@ -39,21 +44,15 @@ def check_room(ok: bool, name: str, denoiser: dict[str, Any]) -> None:
 
 def seeded(component: str, build: Any, config: Any) -> Any:
     """build(config) with its weights drawn from the component's own seed."""
-    import torch
-
     torch.manual_seed(_SEEDS.get(component, 0))
     return build(config).eval()
 
 
 def diffusers_class(class_name: str) -> Any:
-    import diffusers
-
     return getattr(diffusers, class_name)
 
 
 def clip_config(tokenizer: Any, hidden: int, projection: int) -> Any:
-    from transformers import CLIPTextConfig
-
     return CLIPTextConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -71,8 +70,6 @@ def clip_config(tokenizer: Any, hidden: int, projection: int) -> Any:
 
 def t5_config(tokenizer: Any, d_model: int) -> Any:
     """T5 v1.1 as FLUX.1 and SD3 use it (gated GELU, untied embeddings), at width d_model."""
-    from transformers import T5Config
-
     return T5Config(
         vocab_size=len(tokenizer),
         d_model=d_model,
@@ -93,8 +90,6 @@ def t5_config(tokenizer: Any, d_model: int) -> Any:
 def clip_tokenizer(pad_token: str) -> Any:
     """A byte-level BPE CLIP tokenizer laid out as OpenAI's: the 256 byte symbols, the same with the
     end-of-word mark </w>, one token per merge (learned from _CORPUS until each word is one token), then the two specials."""
-    from transformers import CLIPTokenizer
-
     template = CLIPTokenizer().backend_tokenizer  # CLIP's normalizer and pre-tokenizer
     words = Counter(
         piece
@@ -153,8 +148,6 @@ def _byte_symbols() -> list[str]:
 def t5_tokenizer() -> Any:
     """A Unigram T5 tokenizer (<pad>=0, </s>=1, <unk>=2, as T5's) whose pieces are the corpus words
     and every printable ASCII character, scored by log frequency (characters add-one smoothed)."""
-    from transformers import T5Tokenizer
-
     words = Counter("▁" + word for caption in _CORPUS for word in caption.split())
     chars = Counter("".join(_CORPUS).replace(" ", "")) + Counter(string.printable.strip())
     counts = {"▁": len(_CORPUS), **chars, **words}
@@ -192,9 +185,6 @@ def qwen2_tokenizer(template: str = "", specials: tuple[str, ...] = QWEN_SPECIAL
     (learned from _CORPUS and `template`, the text a pipeline wraps captions in, until each
     pre-token is one token, so a template prefix takes as many tokens as with the real vocabulary),
     then `specials`; eos, pad and unk are specials[0], as in Qwen's own files."""
-    from tokenizers import AddedToken
-    from transformers import Qwen2Tokenizer
-
     backend = Qwen2Tokenizer()._tokenizer  # Qwen2's normalizer and regex / byte-level pre-tokenizer
     text = template.replace("{}", " ".join(_CORPUS)) if "{}" in template else f"{template} {' '.join(_CORPUS)}"
     for special in specials:
@@ -233,8 +223,6 @@ QWEN3_VL_TEXT_TEMPLATE = (
 def qwen3_vl_config(tokenizer: Any, width: int, layers: int) -> Any:
     """A narrow Qwen3-VL of `layers` text layers (2 heads, 1 key/value head): its interleaved multimodal RoPE
     sections split the head's rotary half 2:1:1 as the published [24, 20, 20] of 64 roughly does."""
-    from transformers import Qwen3VLConfig
-
     head = width // 2
     rotary = head // 2
     check_room(width % 4 == 0 and rotary >= 4, "a tiny Qwen3-VL", {"width": width})

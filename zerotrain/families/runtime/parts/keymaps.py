@@ -4,20 +4,17 @@ differently (BFL's final modulation). Families' ComfyUI exports use them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from zerotrain.errors import ZerotrainError
-
-if TYPE_CHECKING:
-    import torch
 
 
 def swap_halves(weight: torch.Tensor) -> torch.Tensor:
     """(shift, scale) output rows as (scale, shift): diffusers' AdaLayerNormContinuous (norm_out) and
     Black Forest Labs' final adaLN_modulation order them oppositely (swap_scale_shift in diffusers'
     converters)."""
-    import torch
-
     shift, scale = weight.chunk(2, dim=0)
     return torch.cat([scale, shift], dim=0)
 
@@ -29,8 +26,6 @@ def fuse_lora(
     modules `parts` (in output order; `modules` maps names to modules), from those of them in `pairs`:
     their A matrices stacked (rank the sum of theirs) and their B matrices placed block-diagonally at
     their output rows, zero rows for parts without a LoRA. Exact: B @ A is the parts' B_i @ A_i stacked."""
-    import torch
-
     present = [part for part in parts if part in pairs]
     ranks = [pairs[part][0].shape[0] for part in present]
     if any(r != ranks[0] for r in ranks):

@@ -4,10 +4,11 @@ laid back around its images' rows."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from transformers import AutoTokenizer, Qwen3VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 
 def text_processor(tokenizer: Any, image_processor: Any = None, base: type | None = None) -> Any:
@@ -15,9 +16,6 @@ def text_processor(tokenizer: Any, image_processor: Any = None, base: type | Non
     processor: transformers' PIL one by default), without a video processor: transformers builds the Qwen-VL video
     processors only with torchvision, which zerotrain does not install, and the pipelines read text and images
     only. It saves as that processor without one (the tokenizer, the image processor and the chat template)."""
-    from transformers import Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     class TextVLProcessor(base or Qwen3VLProcessor):
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             if argument_name == "video_processor" and argument is None:
@@ -37,9 +35,6 @@ def text_processor(tokenizer: Any, image_processor: Any = None, base: type | Non
 def load_text_processor(folder: Any, base: type | None = None) -> Any:
     """A model folder's processor/ (its tokenizer and image processor settings) as text_processor builds it,
     without torchvision: a Qwen3VLProcessor, or `base`."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     return text_processor(AutoTokenizer.from_pretrained(folder, subfolder="processor"),
                           Qwen2VLImageProcessorPil.from_pretrained(folder, subfolder="processor"), base)
 
@@ -53,8 +48,6 @@ def with_slots(text: torch.Tensor, valid: torch.Tensor, image_pad_mask: torch.Te
     rows of the images), the mask (B, n + S) valid at the slots, and the slots' flags (n + S,). The template puts
     the images before the caption, so every caption's slots sit at the same places; a batch whose samples' slots
     differ is an error."""
-    import torch
-
     flags = image_pad_mask > 0
     count = int(flags[0].sum())
     rows = text.shape[1] + count
