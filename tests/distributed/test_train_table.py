@@ -95,7 +95,7 @@ def flux3_blocks(folder, transformer=None):
     from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
     from transformers import AutoTokenizer
 
-    from zerotrain.families.flux3 import text_processor
+    from zerotrain.families.runtime.parts.qwen_vl import text_processor
 
     auto = Flux3AutoBlocks()
     auto.sub_blocks.pop("prompt_upsampler")

@@ -8,10 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
-    VAE_IMAGE_SIZE,
-    calculate_dimensions,
-)
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLProcessor
 
 from zerotrain.families.base import check_tokens
@@ -78,14 +75,16 @@ class QwenImageRuntime(QwenImage, BaseRuntime):
     def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
                        area: int | None) -> tuple[int, int]:
         """As the edit pipelines size the image their VAE encodes: the control's aspect at 1024 x 1024
-        pixels of area (or area x area), each side rounded to 32 (their calculate_dimensions)."""
+        pixels of area (or area x area), each side rounded to 32 (their calculate_dimensions). The pipeline
+        module's VAE_IMAGE_SIZE is read at each call, as the pipeline reads it."""
         if not self.max_references(spec):
             raise self._no_references(spec)
         # Applied again until the size stays: at validation the pipeline sizes once more the image it is
         # handed (this size), and its text encoder must read the image the cached caption was encoded with.
         size = control
         for _ in range(16):
-            width, height = calculate_dimensions(area * area if area else VAE_IMAGE_SIZE, size[0] / size[1])
+            width, height = edit_plus.calculate_dimensions(area * area if area else edit_plus.VAE_IMAGE_SIZE,
+                                                           size[0] / size[1])
             given, size = size, (int(width), int(height))
             if size == given:
                 break
