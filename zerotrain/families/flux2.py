@@ -171,4 +171,5 @@ class Flux2(BaseFamily):
     def _distilled(self, folder: Path) -> bool:
         return bool(model_index(folder, "FLUX.2").get("is_distilled", False))
 
+
 FAMILY = Flux2()

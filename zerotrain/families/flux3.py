@@ -134,4 +134,5 @@ class Flux3(BaseFamily):
     def takes_negative(self, spec: ModelSpec, folder: Path) -> bool:
         return not spec.config.get("flow_map", DENOISER_DEFAULTS["flow_map"])
 
+
 FAMILY = Flux3()

@@ -128,4 +128,5 @@ class Ideogram4(BaseFamily):
         same in_channels and llm_features_dim, and the published pair is one architecture)."""
         return trained_base_params
 
+
 FAMILY = Ideogram4()

@@ -58,8 +58,6 @@ KREA2_SCHEDULER = {
     "max_image_seq_len": 6400,
     "time_shift_type": "exponential",
 }
-# Turbo (is_distilled) samples at this mu at every size (Krea2Pipeline.__call__).
-DISTILLED_MU = 1.15
 # The tiny Qwen3-VL: three layers, of which the tiny model_index taps the first two, so that no tap is the
 # final-normed state, as none of the published taps is.
 _TINY_TEXT_LAYERS, _TINY_TAPS = 3, (1, 2)
@@ -135,5 +133,6 @@ class Krea2(BaseFamily):
         which Krea2Pipeline registers: Turbo samples at a fixed shift."""
         index = model_index(folder, self.title)
         return {key: index[key] for key in ("text_encoder_select_layers", "is_distilled", "patch_size") if key in index}
+
 
 FAMILY = Krea2()

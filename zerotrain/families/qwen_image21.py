@@ -139,4 +139,5 @@ class QwenImage21(BaseFamily):
         """The folder's sample_sigmas (model_index.json): the steps its authors fixed, if any."""
         return {"sample_sigmas": model_index(folder, self.title).get("sample_sigmas")}
 
+
 FAMILY = QwenImage21()
