@@ -145,19 +145,21 @@ def gather_objects(value: object) -> list[object]:
 T = TypeVar("T")
 
 
+def _attempt(compute: Callable[..., Any], args: tuple, topo: Topology) -> tuple[object, Exception | None]:
+    """(compute(*args), None), or (what the other ranks raise, the error) where it failed: the error itself
+    when it is a ZerotrainError, else a ZerotrainError naming it and this rank."""
+    try:
+        return compute(*args), None
+    except Exception as err:  # noqa: BLE001 - the other ranks must not wait for a result that will not come
+        return (err if isinstance(err, ZerotrainError) else ZerotrainError(
+            f"{getattr(compute, '__name__', 'a step')} failed on rank {topo.rank}: {err}")), err
+
+
 def from_rank0(compute: Callable[..., T], topo: Topology, *args: Any) -> T:
     """compute(*args) on rank 0, its result broadcast to every rank (so every rank uses the same
     plan even when nodes report different free memory). An error on rank 0 is raised on every rank:
     rank 0's own, and a ZerotrainError naming it on the others."""
-    outcome: object = None
-    error: Exception | None = None
-    if topo.is_main:
-        try:
-            outcome = compute(*args)
-        except Exception as err:  # noqa: BLE001 - the other ranks must not wait for a result that will not come
-            error = err
-            outcome = err if isinstance(err, ZerotrainError) else ZerotrainError(
-                f"{getattr(compute, '__name__', 'a step')} failed on rank 0: {err}")
+    outcome, error = _attempt(compute, args, topo) if topo.is_main else (None, None)
     if torch.distributed.is_initialized() and topo.world_size > 1:
         box = [outcome]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -167,6 +169,25 @@ def from_rank0(compute: Callable[..., T], topo: Topology, *args: Any) -> T:
     if isinstance(outcome, ZerotrainError):
         raise outcome
     return outcome  # type: ignore[return-value]
+
+
+def on_each_node(compute: Callable[..., T], topo: Topology, *args: Any) -> T:
+    """compute(*args) on local rank 0 of every node (a download into the node's cache) while the node's
+    other ranks wait in a collective (under the process group's timeout); each rank gets its node's result.
+    An error on any node is raised on every rank: the computing rank's own error, and its one line on the
+    others."""
+    outcome, error = _attempt(compute, args, topo) if topo.local_rank == 0 else (None, None)
+    host = socket.gethostname()
+    everyone = gather_objects((host, topo.local_rank, outcome))
+    if error is not None:
+        raise error
+    failed = [value for _, _, value in everyone if isinstance(value, ZerotrainError)]
+    if failed:
+        raise failed[0]
+    mine = [value for name, local, value in everyone if name == host and local == 0]
+    if not mine:
+        raise ZerotrainError(f"rank {topo.rank}: no rank of this node ({host}) has local rank 0; check LOCAL_RANK")
+    return mine[0]  # type: ignore[return-value]
 
 
 def agree(values: list[float]) -> list[float]:

@@ -182,9 +182,10 @@ def fit(run: RunConfig, spec: ModelSpec, topo: Topology, checkpoint: Path | None
         warn(line)
     write_run_folder(planned, topo)
 
-    # Data: build or top up the cache (the encoders are freed before the model loads).
-    prepared = prepare(run, spec, topo, device)
-    folder = model_folder(spec, run.model.revision, run.data.cache_dir / "models")
+    # The model's files, on every node before anything long starts (a hub repo downloaded once per node); then
+    # the data: build or top up the cache (the encoders are freed before the model loads).
+    folder = model_folder(spec, run, topo, "train")
+    prepared = prepare(run, spec, topo, device, folder)
     loader, sampler = make_loader(prepared, run, layout.micro_batch, topo, pin_memory=device.type == "cuda")
     for line in prepared.summary() if topo.is_main else []:
         print(line, flush=True)

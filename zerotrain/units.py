@@ -18,3 +18,8 @@ def gib(n: float | None, units: tuple[str, ...] = ("GiB",), switch: float = 1.0,
         return "n/a"
     unit = next((u for u in units if abs(n) >= switch * SCALES[u]), units[-1])
     return f"{n / SCALES[unit]:.{digits if SCALES[unit] >= GiB else 1}f} {unit}"
+
+
+def readable(n: float) -> str:
+    """A size in the largest unit it reaches, from KiB to TiB."""
+    return gib(n, units=("TiB", "GiB", "MiB", "KiB"))

@@ -31,8 +31,9 @@ from pathlib import Path
 PRELOAD = ["torch", "deepspeed", "diffusers", "diffusers.models.transformers", "transformers", "peft",
            "zerotrain.train"]
 # Read by the preloaded libraries as they import, so the forkserver must start with them as every
-# rank's environment has them (conftest.process_env).
-IMPORT_TIME_ENV = ("DS_ACCELERATOR", "OMP_NUM_THREADS")
+# rank's environment has them (conftest.process_env). huggingface_hub reads its endpoint, cache and offline
+# mode once, as diffusers imports it: a rank with other values (a test's local hub) starts a real interpreter.
+IMPORT_TIME_ENV = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
 
 _context = None
 _server_env: dict[str, str] = {}

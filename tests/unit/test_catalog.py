@@ -276,4 +276,4 @@ def test_hub_id_offline_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     message = one_line_error("zerotrain-tests/no-such-model", "could not reach the Hugging Face hub")
-    assert "local diffusers folder or config.json" in message
+    assert "local diffusers folder" in message and str(tmp_path) in message

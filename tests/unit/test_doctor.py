@@ -400,54 +400,63 @@ def test_a_missing_local_folder_fails(tmp_path, no_gpu):
     assert finding.verdict == "fail" and "no such folder" in finding.detail
 
 
-def test_a_local_folder_without_weights_fails(tmp_path, no_gpu):
-    folder = tmp_path / "model" / "transformer"
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(resolve_model(tiny_run(tmp_path).model).config))
-    finding = run_one(doctor.check_model, tiny_run(tmp_path, f"model.name_or_path={folder.parent}",
-                                                   "model.subfolder=transformer"))
-    assert finding.verdict == "fail" and "no complete weights" in finding.detail
-    (folder / "diffusion_pytorch_model.safetensors").write_bytes(b"0")
-    assert run_one(doctor.check_model, tiny_run(tmp_path, f"model.name_or_path={folder.parent}",
-                                                "model.subfolder=transformer")).verdict == "ok"
+def test_a_local_folder_is_checked_for_every_file_training_reads(tmp_path, tmp_path_factory, no_gpu):
+    """A folder missing its scheduler, or its denoiser's weights, fails doctor as it would fail the run (before
+    the cache build), naming what is missing."""
+    from tests.unit.tiny_family import tiny_root
+    from zerotrain.models.tiny import ensure_tiny_pipeline
+
+    folder = shutil.copytree(ensure_tiny_pipeline("tiny-flux", tiny_root(tmp_path_factory)), tmp_path / "model")
+    run = tiny_run(tmp_path, f"model.name_or_path={folder}")
+    assert run_one(doctor.check_model, run).verdict == "ok"
+    shutil.rmtree(folder / "scheduler")
+    finding = run_one(doctor.check_model, run)
+    assert finding.verdict == "fail" and "lacks scheduler/" in finding.detail, finding
+    (folder / "scheduler").mkdir()
+    (folder / "scheduler" / "scheduler_config.json").write_text("{}")
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    finding = run_one(doctor.check_model, run)
+    assert finding.verdict == "fail" and "lacks transformer/ weights" in finding.detail, finding
 
 
-def test_hub_id_not_cached(tmp_path, no_gpu, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-empty"))
-    run = tiny_run(tmp_path, "model.name_or_path=someone/some-model", measure=False)
-    finding = run_one(doctor.check_model, run)
-    assert finding.verdict == "warn" and "first run downloads it" in finding.detail
-    assert "hf download someone/some-model" in finding.advice
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    finding = run_one(doctor.check_model, run)
-    assert finding.verdict == "fail" and "HF_HUB_OFFLINE" in finding.detail
-    assert str(tmp_path / "hf-empty" / "hub") in finding.detail
+FLUX_COMPONENTS = {"scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],
+                   "text_encoder_2": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+                   "tokenizer_2": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "FluxTransformer2DModel"],
+                   "vae": ["diffusers", "AutoencoderKL"], "image_encoder": [None, None]}
+FLUX_FILES = ["scheduler/scheduler_config.json", "text_encoder/config.json", "text_encoder/model.safetensors",
+              "text_encoder_2/config.json", "text_encoder_2/model.safetensors", "tokenizer/vocab.json",
+              "tokenizer_2/spiece.model", "transformer/config.json", "vae/config.json",
+              "vae/diffusion_pytorch_model.safetensors"]
 
 
 def fill_hub_cache(hub: Path, repo: str, files: list[str]) -> None:
-    """The hub cache's layout: refs/main names a snapshot holding the files."""
+    """The hub cache's layout as a hand-made download leaves it: refs/main names a snapshot holding the files
+    (a pipeline index of FLUX.1's components), and no tree listing (huggingface_hub's trees/)."""
     root = hub / f"models--{repo.replace('/', '--')}"
     (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text("0" * 40)
-    for name in files:
+    for name in ["model_index.json", *files]:
         path = root / "snapshots" / ("0" * 40) / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("{}")
+        path.write_text(json.dumps({"_class_name": "FluxPipeline", **FLUX_COMPONENTS}) if name == "model_index.json"
+                        else "{}")
 
 
-def test_a_catalog_model_in_the_hub_cache_is_ok_offline(tmp_path, no_gpu, monkeypatch):
+def test_a_catalog_model_in_the_hub_cache_is_checked_offline(tmp_path, no_gpu, monkeypatch):
+    """Offline, doctor reads the hub cache the run would read: the denoiser's weights or the scheduler missing
+    is a fail naming them (the run would stop before its cache build); every file there is ok."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     repo = resolve_model(load_config(None, ["model.name_or_path=flux-dev"]).model).pretrained
-    files = ["model_index.json", "transformer/config.json", "vae/diffusion_pytorch_model.safetensors"]
-    fill_hub_cache(tmp_path / "hf" / "hub", repo, files)
     run = load_config(None, ["model.name_or_path=flux-dev"])
-    finding = run_one(doctor.check_model, run)  # the transformer's weights are missing
-    assert finding.verdict == "fail" and "partly in" in finding.detail
-    shutil.rmtree(tmp_path / "hf")
-    fill_hub_cache(tmp_path / "hf" / "hub", repo, [*files, "transformer/diffusion_pytorch_model.safetensors"])
+    fill_hub_cache(tmp_path / "hf" / "hub", repo, [f for f in FLUX_FILES if not f.startswith("scheduler/")])
     finding = run_one(doctor.check_model, run)
-    assert finding.verdict == "ok" and repo in finding.detail
+    assert finding.verdict == "fail" and "transformer/ weights" in finding.detail and "scheduler/" in finding.detail
+    assert "HF_HUB_OFFLINE" in finding.detail and str(tmp_path / "hf" / "hub") in finding.detail
+    shutil.rmtree(tmp_path / "hf")
+    fill_hub_cache(tmp_path / "hf" / "hub", repo, [*FLUX_FILES, "transformer/diffusion_pytorch_model.safetensors"])
+    finding = run_one(doctor.check_model, run)
+    assert finding.verdict == "ok" and repo in finding.detail, finding
 
 
 def test_libraries_are_reported_against_the_tested_versions(tmp_path, monkeypatch):

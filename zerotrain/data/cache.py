@@ -54,8 +54,9 @@ from zerotrain.config.sections import RunConfig
 from zerotrain.data.buckets import CropPlan, apply_crop, assign_bucket, bucket_step, make_buckets, plan_crop
 from zerotrain.data.dataset import Discovery, Item, Verdict
 from zerotrain.data.images import ImageRejected, load_mask, load_rgb
-from zerotrain.distributed import barrier
+from zerotrain.distributed import Topology, barrier, on_each_node
 from zerotrain.errors import ZerotrainError
+from zerotrain.models.hub import Purpose, model_files
 from zerotrain.protocols import ModelSpec
 
 CACHE_VERSION = 1
@@ -107,18 +108,21 @@ def encode_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def model_folder(spec: ModelSpec, revision: str | None = None, tiny_root: Path | None = None) -> Path:
-    """The local diffusers folder that holds the VAE and text encoders. The catalog's tiny-*
-    models are built locally (under tiny_root) since they have no published weights."""
-    from zerotrain.models.conditioning import encoder_folder
+def model_folder(spec: ModelSpec, run: RunConfig, topo: Topology, purpose: Purpose = "train") -> Path:
+    """The local diffusers folder holding every file a run of `purpose` reads (models.hub): a local folder
+    checked, a hub repo downloaded into the Hugging Face cache by local rank 0 of each node while the node's
+    other ranks wait, and checked. The catalog's tiny-* models are built under data.cache_dir/models (by
+    rank 0: transformers saves files on rank 0 only), since they have no published weights. Every rank
+    calls it, before anything is encoded."""
     from zerotrain.models.tiny import TINY_NAMES, ensure_tiny_pipeline
 
-    if spec.pretrained is None and spec.name in TINY_NAMES and tiny_root is not None:
-        return ensure_tiny_pipeline(spec.name, tiny_root)
-    if spec.pretrained is None:
-        raise ZerotrainError(f"model.name_or_path={spec.name}: caching needs the model's VAE and text encoders; "
-                             "point it at a diffusers model folder or hub id, not a bare config.json")
-    return encoder_folder(spec, spec.pretrained, revision)
+    if spec.pretrained is None and spec.name in TINY_NAMES:
+        root = run.data.cache_dir / "models"
+        if topo.is_main:
+            ensure_tiny_pipeline(spec.name, root)
+        barrier()
+        return ensure_tiny_pipeline(spec.name, root)
+    return on_each_node(model_files, topo, spec, run.model.revision, purpose)
 
 
 def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: str) -> tuple[list[Planned], list[Verdict]]:

@@ -5,6 +5,7 @@ global-epoch sampler. `zerotrain cache` and the training run both go through pre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -73,17 +74,17 @@ def batch_groups(samples: list[Planned]) -> list[int]:
     return [p.bucket_id + span * (1 + sizes.index(p.group[1])) if p.reference_crops else p.bucket_id for p in samples]
 
 
-def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch.device = "cpu") -> Prepared:
-    """Everything up to a cache that holds every usable sample. Every rank calls it."""
-    check_trainable(spec)  # on every rank, before rank 0 alone fetches the model
+def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch.device = "cpu",
+            source: Path | None = None) -> Prepared:
+    """Everything up to a cache that holds every usable sample, encoded with the VAE and text encoders in
+    `source` (the model's local folder, data.cache.model_folder's; fetched here for the encoders alone
+    when not given). Every rank calls it."""
+    check_trainable(spec)  # on every rank, before anything is fetched
     discovery = discover(run.data)
     from zerotrain.models.conditioning import encoders_identity
 
-    tiny_root = run.data.cache_dir / "models"
-    if topo.is_main:  # rank 0 builds or downloads first: transformers saves files on rank 0 only
-        model_folder(spec, run.model.revision, tiny_root)
-    barrier()
-    source = model_folder(spec, run.model.revision, tiny_root)
+    if source is None:
+        source = model_folder(spec, run, topo, "encode")
     identity = encoders_identity(spec, source, encode_dtype(device))
     planned, skipped = plan_items(discovery, run, spec, identity)
     discovery.verdicts += skipped

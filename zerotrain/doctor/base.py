@@ -25,7 +25,7 @@ from zerotrain.hardware import (
     nvml_driver,
     visible_gpu_indices,
 )
-from zerotrain.units import GiB, MiB, gib
+from zerotrain.units import GiB, MiB, readable
 
 Verdict = Literal["ok", "warn", "fail", "skip"]
 EXIT_CODES = {"ok": 0, "skip": 0, "warn": 1, "fail": 2}
@@ -83,7 +83,7 @@ def exit_code(checks: list[Check]) -> int:
 
 def _size(n: float) -> str:
     """A size in the largest unit it reaches, from KiB to TiB."""
-    return gib(n, units=("TiB", "GiB", "MiB", "KiB"))
+    return readable(n)
 
 
 def _version_tuple(text: str | None) -> tuple[int, ...] | None:

@@ -3,8 +3,6 @@ or the hub), and the plan for this machine."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,46 +25,39 @@ def _hub_offline(environ: Mapping[str, str]) -> bool:
     return _truthy(environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE"))
 
 
-def _has_weights(folder: Path) -> bool:
-    """A denoiser/VAE folder whose weights are all there: an index's every shard, or a single file."""
-    for index in folder.glob("*.index.json"):
-        with contextlib.suppress(OSError, ValueError):
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-            return bool(shards) and all((folder / shard).is_file() for shard in shards)
-    return any(p.is_file() for pattern in ("*.safetensors", "*.bin") for p in folder.glob(pattern))
-
-
-def _hub_finding(ctx: Context, repo: str, subfolder: str | None,
-                 size_hint: Callable[[], str] = lambda: "") -> Finding:
-    """Whether a hub repo's weights are in the local hub cache, without the network. size_hint is
-    called only when the download is still to come."""
-    from huggingface_hub import try_to_load_from_cache
-
-    from zerotrain.models.catalog import PIPELINE_INDEXES, pipeline_index
+def _hub_finding(ctx: Context, repo: str, size_hint: Callable[[], str] = lambda: "") -> Finding:
+    """Which of the files training reads of a hub repo are on this node, in which hub cache, and what the
+    run would download (asking the hub for the repo's file list unless HF_HUB_OFFLINE is set). size_hint
+    is called only where the hub gave no sizes."""
+    from zerotrain.errors import ZerotrainError
+    from zerotrain.models.hub import survey
 
     cache, offline, revision = _hub_cache_dir(ctx.environ), _hub_offline(ctx.environ), ctx.run.model.revision
-    where = f"hub repo {repo}" + (f"@{revision}" if revision else "")
-    snapshot = None
-    for name in (*PIPELINE_INDEXES, "config.json"):
-        found = try_to_load_from_cache(repo, name, cache_dir=cache, revision=revision)
-        if isinstance(found, str):
-            snapshot = Path(found).parent
-            break
-    folders = [f for f in (subfolder, "vae") if f] if snapshot and pipeline_index(snapshot) else [""]
-    complete = snapshot is not None and all(_has_weights(snapshot / f) for f in folders)
-    if complete:
-        return Finding("ok", f"{where}: weights ({', '.join(f or 'denoiser' for f in folders)}) in the local hub "
-                             f"cache {snapshot}")
-    state = "partly in" if snapshot else "not in"
     fetch = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
-    if offline:
-        return Finding("fail", f"{where} is {state} the hub cache {cache}, and HF_HUB_OFFLINE is set: loading fails",
+    spec = ctx.spec
+    if isinstance(spec, Missing):
+        return Finding("fail", spec.reason, "fix model.name_or_path")
+    try:
+        found = survey(spec, repo, revision, "train", cache=cache, offline=offline)
+    except ZerotrainError as err:
+        return Finding("fail", str(err), "fix what it names; `zerotrain doctor` checks again without training")
+    total = sum(size or 0 for size in found.sizes.values())
+    count = f"{len(found.sizes)} files training reads" + (f" ({_size(total)})" if found.online else "")
+    missing, example = found.missing, ", ".join(found.missing[:3]) + (", ..." if len(found.missing) > 3 else "")
+    if not missing:
+        return Finding("ok", f"{found.where}: all {count} are in the hub cache {cache}")
+    if not found.online:
+        return Finding("fail", f"{found.where}: {len(missing)} of the {count} are not in the hub cache {cache} ({example}), "
+                               "and the hub cannot be reached (HF_HUB_OFFLINE is set, or no network): training stops "
+                               "before its cache build",
                        f"where there is network run `{fetch}` (with this HF_HOME / HF_HUB_CACHE), or download it to "
                        "a folder and set model.name_or_path to it; or unset HF_HUB_OFFLINE")
-    return Finding("warn", f"{where} is {state} the hub cache {cache}: the first run downloads it"
-                           f"{size_hint()}",
-                   f"download it before the job: `{fetch}` (gated repos: accept the license on huggingface.co and "
-                   "`hf auth login` first)")
+    size = found.missing_bytes
+    return Finding("warn", f"{found.where}: {len(missing)} of the {count} are not on this node ({example}): the run "
+                           f"downloads {_size(size) if size is not None else 'them'}{size_hint() if size is None else ''} "
+                           f"into {cache} before its cache build, once per node",
+                   f"to download ahead: `{fetch}` (the whole repo; gated repos: accept the license on huggingface.co "
+                   "and set HF_TOKEN, or `hf auth login`, first)")
 
 
 def _denoiser_size(ctx: Context) -> str:
@@ -75,7 +66,9 @@ def _denoiser_size(ctx: Context) -> str:
 
 
 def check_model(ctx: Context) -> Finding:
+    from zerotrain.errors import ZerotrainError
     from zerotrain.models.catalog import HUB_ID, catalog_names, resolve_model
+    from zerotrain.models.hub import check_folder
 
     model = ctx.run.model
     name = model.name_or_path
@@ -85,7 +78,7 @@ def check_model(ctx: Context) -> Finding:
             return Finding("ok", f"{name} is built locally on first use (random weights, for tests and CPU demos)")
         # A catalog architecture is measured offline, so its size can be told; a bare hub id's config
         # would need the network.
-        return _hub_finding(ctx, spec.pretrained, model.subfolder or spec.subfolder, lambda: _denoiser_size(ctx))
+        return _hub_finding(ctx, spec.pretrained, lambda: _denoiser_size(ctx))
     path = Path(name).expanduser()
     if path.exists():
         spec = ctx.spec
@@ -94,13 +87,13 @@ def check_model(ctx: Context) -> Finding:
         if path.is_file():
             return Finding("warn", f"{path} is a bare config.json: it plans, but caching and training need the "
                                    "weights", "point model.name_or_path at the diffusers model folder or hub id")
-        denoiser = Path(spec.pretrained) / (spec.subfolder or "")
-        if not _has_weights(denoiser):
-            return Finding("fail", f"{denoiser} holds no complete weights (*.safetensors, *.bin)",
-                           "finish the download or save_pretrained into the folder")
-        return Finding("ok", f"local folder {path}: {spec.class_name} weights in {denoiser}")
+        try:
+            check_folder(spec, Path(spec.pretrained), "train")
+        except ZerotrainError as err:
+            return Finding("fail", str(err), "complete the folder, or point model.name_or_path at the whole pipeline")
+        return Finding("ok", f"local folder {path}: every file training reads is there ({spec.class_name})")
     if HUB_ID.match(name) and not name.endswith(".json"):
-        return _hub_finding(ctx, name, model.subfolder)
+        return _hub_finding(ctx, name)
     return Finding("fail", f"model.name_or_path={name}: no such folder or file, and not a catalog name or hub id",
                    f"fix the path, or use a catalog name ({', '.join(catalog_names())}) or a hub id (owner/name)")
 

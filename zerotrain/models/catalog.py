@@ -16,16 +16,13 @@ from typing import Any
 from zerotrain import families
 from zerotrain.config.sections import ModelConfig
 from zerotrain.errors import ZerotrainError, one_line
+from zerotrain.models.hub import hub_file, hub_index, pipeline_index
 from zerotrain.protocols import ModelSpec
 
 _CATALOG_DIR = Path(__file__).with_name("catalog")
 _FIELD = "model.name_or_path"
 # owner/name as the hub spells repo ids: one slash, no leading dot or dash.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-# The files that describe a diffusers pipeline folder: a pipeline's model_index.json, or the
-# modular_model_index.json of a modular pipeline (FLUX.3's), which lists components as [library, class,
-# loading spec].
-PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
 
 
 @cache
@@ -138,11 +135,6 @@ def _from_config_file(name: str, path: Path) -> ModelSpec:
     )
 
 
-def pipeline_index(folder: Path) -> Path | None:
-    """The folder's pipeline index (PIPELINE_INDEXES, the first present), or None."""
-    return next((folder / name for name in PIPELINE_INDEXES if (folder / name).is_file()), None)
-
-
 def _from_folder(name: str, folder: Path, subfolder: str | None) -> ModelSpec:
     """A diffusers pipeline folder (model_index.json or modular_model_index.json), or a folder that holds
     a denoiser config.json."""
@@ -181,17 +173,17 @@ def _from_folder(name: str, folder: Path, subfolder: str | None) -> ModelSpec:
 
 def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> ModelSpec:
     """Fetch only the small JSON files (model_index, denoiser and VAE configs), never weights."""
-    index = _hub_index(repo_id, revision, required=subfolder is None)
+    index_name, index = hub_index(repo_id, revision, required=subfolder is None)
     if subfolder is None and index:
-        subfolder = _denoiser_component(index, f"{repo_id}/{index.get('_index_file', 'model_index.json')}")
+        subfolder = _denoiser_component(index, f"{repo_id}/{index_name}")
     denoiser_file = f"{subfolder}/config.json" if subfolder else "config.json"
-    denoiser_path = _hub_file(repo_id, denoiser_file, revision)
+    denoiser_path = hub_file(repo_id, denoiser_file, revision)
     if denoiser_path is None:
         raise ZerotrainError(
             f"{_FIELD}='{repo_id}': the hub repo has no {denoiser_file}; set model.subfolder to the "
             "folder that holds the denoiser, or pass a local folder or config.json instead"
         )
-    vae_path = _hub_file(repo_id, "vae/config.json", revision) if subfolder else None
+    vae_path = hub_file(repo_id, "vae/config.json", revision) if subfolder else None
     return _spec(
         repo_id,
         denoiser_path=denoiser_path,
@@ -201,66 +193,6 @@ def _from_hub(repo_id: str, subfolder: str | None, revision: str | None) -> Mode
         subfolder=subfolder,
         pipeline_class=index.get("_class_name"),
     )
-
-
-def _hub_index(repo_id: str, revision: str | None, required: bool) -> dict[str, Any]:
-    """The hub repo's pipeline index (PIPELINE_INDEXES, the first it has; {} where it has none), with
-    "_index_file" naming it. With model.subfolder given the index only names the pipeline (an edit
-    model's), so a hub that cannot be reached is no error then."""
-    for name in PIPELINE_INDEXES:
-        try:
-            path = _hub_file(repo_id, name, revision)
-        except ZerotrainError:
-            if required:
-                raise
-            return {}
-        if path is not None:
-            return {**_read_json(path), "_index_file": name}
-    return {}
-
-
-def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path | None:
-    """Download one file of a hub repo into the hub cache; None when the repo has no such file."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
-        RemoteEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    where = f"{_FIELD}='{repo_id}'"
-    instead = "or pass a local diffusers folder or config.json instead"
-    try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
-    except RemoteEntryNotFoundError:
-        return None
-    except GatedRepoError as err:
-        raise ZerotrainError(
-            f"{where}: the hub repo is gated; accept its license on huggingface.co and log in "
-            f"(hf auth login), {instead}"
-        ) from err
-    except RepositoryNotFoundError as err:
-        raise ZerotrainError(
-            f"{where}: no such hub repo (or it is private); check the id and your login, {instead}"
-        ) from err
-    except RevisionNotFoundError as err:
-        raise ZerotrainError(
-            f"model.revision='{revision}': no such revision of hub repo {repo_id}; fix model.revision, {instead}"
-        ) from err
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, TimeoutError) as err:
-        raise ZerotrainError(
-            f"{where}: could not reach the Hugging Face hub for {filename} (offline, or no network) and "
-            f"it is not in the local hub cache; connect and retry, {instead}"
-        ) from err
-    except HFValidationError as err:
-        raise ZerotrainError(f"{where}: not a valid hub id ({one_line(err)}); {instead}") from err
-    except HfHubHTTPError as err:
-        raise ZerotrainError(f"{where}: the hub answered {one_line(err)}; {instead}") from err
 
 
 def _denoiser_component(index: dict[str, Any], where: Path | str) -> str:

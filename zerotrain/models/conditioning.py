@@ -22,6 +22,7 @@ import torch
 from zerotrain import families
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.catalog import check_trainable
+from zerotrain.models.hub import fetch
 from zerotrain.protocols import ModelSpec
 
 if TYPE_CHECKING:
@@ -74,26 +75,12 @@ class LatentMoments(NamedTuple):
 
 
 def encoder_folder(spec: ModelSpec, folder_or_hub: str | Path, revision: str | None = None) -> Path:
-    """The local model folder holding vae/, the tokenizers and the text encoders; a hub repo is
-    downloaded once, without its denoiser and scheduler."""
+    """The local model folder holding vae/, the tokenizers and the text encoders; a hub repo's are
+    downloaded once into the hub cache (models.hub.fetch, without its denoiser and scheduler)."""
     folder = Path(folder_or_hub).expanduser()
     if folder.is_dir():
         return folder
-    pipeline_class = _pipeline_class(spec)
-    family = families.of(spec)
-    try:
-        if not hasattr(pipeline_class, "download"):  # a modular pipeline: the components' folders only
-            from huggingface_hub import snapshot_download
-
-            folders = ["vae", *(name for pair in family.text_parts(pipeline_class.__name__) for name in pair)]
-            return Path(snapshot_download(str(folder_or_hub), revision=revision,
-                                          allow_patterns=["*.json", *(f"{name}/*" for name in folders)]))
-        return Path(pipeline_class.download(str(folder_or_hub), revision=revision,
-                                            **{family.denoiser_folder: None, "scheduler": None}))
-    except (OSError, ValueError) as err:
-        reason = " ".join(str(err).split())[:500]
-        raise ZerotrainError(f"model.name_or_path='{folder_or_hub}': cannot fetch its VAE and text encoders "
-                             f"({reason}); download the model folder and point to it") from err
+    return fetch(spec, str(folder_or_hub), revision, "encode")
 
 
 def encoders_identity(spec: ModelSpec, folder: Path, dtype: torch.dtype = torch.float32) -> str:

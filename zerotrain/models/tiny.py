@@ -21,7 +21,8 @@ import torch
 
 from zerotrain import families
 from zerotrain.families.runtime.parts.tiny import diffusers_class, seeded
-from zerotrain.models.catalog import _catalog_entry, catalog_names, pipeline_index
+from zerotrain.models.catalog import _catalog_entry, catalog_names
+from zerotrain.models.hub import pipeline_index
 
 # The catalog's tiny models: every entry named tiny-*.
 TINY_NAMES = tuple(name for name in catalog_names() if name.startswith("tiny-"))
