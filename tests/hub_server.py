@@ -101,7 +101,8 @@ class LocalHub:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":
+                    self.wfile.write(data)
 
             def _json(self, value: object, commit: str | None = None) -> None:
                 data = json.dumps(value).encode()
