@@ -42,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, help="output folder (default: RUN/export)")
     e.add_argument("--ema", action="store_true", help="export the EMA of the weights (runs with ema.enabled)")
     e.add_argument("--comfyui", action="store_true", help="also write a ComfyUI-style LoRA / model file")
-    commands.add_parser("build-ops", help="compile DeepSpeed's ops that training loads (CPU Adam, fused Adam, "
-                                          "async I/O, ...) for this machine now, once, not at a run's first step")
+    b = commands.add_parser("build-ops", help="compile DeepSpeed's ops that training loads (CPU Adam, fused Adam, "
+                                              "...) for this machine now, once, not at a run's first step; async I/O "
+                                              "(NVMe offload only) with --all or by name")
+    b.add_argument("ops", nargs="*", metavar="OP", help="build only these (cpu_adam, fused_adam, async_io, ...)")
+    b.add_argument("--all", action="store_true", help="also the ops only one kind of layout loads (async_io)")
     r = commands.add_parser("presets", help="regenerate the DeepSpeed presets in deepspeed_configs/ (zerotrain plan "
                                             "for each; a test fails when they drift)")
     r.add_argument("--out", type=Path, metavar="DIR", help="write them here instead")
@@ -57,14 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_build_ops() -> int:
-    """One line per op (built, prebuilt, skipped with DeepSpeed's reason, failed); exit 2 when a build
-    that this machine supports failed."""
-    from zerotrain.ops import build_ops
+def run_build_ops(args: argparse.Namespace) -> int:
+    """One line as each op's compile starts, one when each is done (built, prebuilt, skipped with DeepSpeed's
+    reason, failed), one for each op left to its first use; exit 2 when a build that this machine supports
+    failed."""
+    from zerotrain.ops import build_ops, requested
 
-    results = build_ops()
-    for op in results:
-        print(f"{op.name}: {op.status} ({op.detail})")
+    builders, left = requested(args.ops, args.all)
+    results = build_ops(builders, say=lambda line: print(line, flush=True))
+    for line in left:
+        print(line)
     failed = [op.name for op in results if op.status == "failed"]
     if failed:
         print(f"zerotrain: error: {', '.join(failed)} did not compile; `ds_report` shows what DeepSpeed needs, and "
@@ -215,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"plan": lambda: run_plan(args, argv), "cache": lambda: run_cache(args),
                     "export": lambda: run_export(args), "doctor": lambda: doctor.main(args),
                     "launch": lambda: launch.main(args), "calibrate": lambda: calibrate.main(args),
-                    "build-ops": run_build_ops, "presets": lambda: run_presets(args),
+                    "build-ops": lambda: run_build_ops(args), "presets": lambda: run_presets(args),
                     "regenerate": lambda: run_regenerate(args)}
         return commands[args.command]()
     except ZerotrainError as err:

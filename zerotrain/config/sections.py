@@ -57,13 +57,15 @@ class Loading(str, Enum):
 
 class ModelConfig(_Section):
     name_or_path: str = "flux-dev"
-    """A catalog name (flux-dev, sdxl-base, tiny-flux, ...), a diffusers model config.json, a local
-    diffusers model folder, or a Hugging Face hub id."""
+    """A catalog name (flux-dev, sdxl-base, tiny-flux, ...), a diffusers model config.json (plans only), a
+    local diffusers pipeline folder, or a Hugging Face hub id. A hub id (or a catalog name's) is downloaded
+    once per node into the Hugging Face cache (HF_HOME / HF_HUB_CACHE) before the data is encoded: every
+    component of the pipeline, each with the files from_pretrained loads; HF_TOKEN for gated repos."""
     subfolder: str | None = None
     """Subfolder of a model folder or hub repo that holds the denoiser; found from model_index.json
     when not given."""
     revision: str | None = None
-    """Hub revision (branch, tag or commit) for hub ids."""
+    """Hub revision (branch, tag or commit) for hub ids: the one planned and downloaded."""
     load: Loading = Loading.auto
     """How the ranks of a node load the denoiser. auto: about one model copy of host RAM per node
     (ZeRO-3: rank 0 reads each weight from the memory-mapped safetensors and DeepSpeed keeps each

@@ -70,6 +70,7 @@ from zerotrain.deepspeed_compat.checkpoints import guarded_writes, replay_adam_s
 from zerotrain.deepspeed_compat.fragments import MasterFragments, Span, master_fragments
 from zerotrain.deepspeed_compat.jit import (
     BUILD_TIME,
+    ON_REQUEST_OPS,
     OP_BUILDERS,
     TRAINING_OPS,
     jit_builds,
@@ -96,7 +97,7 @@ from zerotrain.deepspeed_compat.sharing import (
     unshared,
 )
 
-__all__ = ["BUILD_TIME", "LOAD_WHOLE", "OP_BUILDERS", "PIN_BACKEND", "TRAINING_OPS", "MasterFragments", "Partitioner",
+__all__ = ["BUILD_TIME", "LOAD_WHOLE", "ON_REQUEST_OPS", "OP_BUILDERS", "PIN_BACKEND", "TRAINING_OPS", "MasterFragments", "Partitioner",
            "Sharing", "Span", "abandon_step", "buffer_sharing", "empty_host_cache", "guarded_writes",
            "init_distributed", "initialize", "initialize_ops", "jit_builds", "master_dtype", "master_fragments",
            "op_report", "prebuilt", "release_process_state", "replay_adam_steps", "say_jit_builds", "sharing_in_force",

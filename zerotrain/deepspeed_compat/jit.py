@@ -42,6 +42,9 @@ def op_report() -> dict[str, Any]:
 # collectives (init_distributed) and pinned host buffers (offload). Async I/O, the longest build by far
 # (about 8 minutes on 2 cores), last.
 TRAINING_OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
+# The ops only one kind of layout loads, by op name -> that layout: `zerotrain build-ops` leaves them to the first
+# run that needs them (which says so before it compiles) or to `build-ops --all` / `build-ops NAME`.
+ON_REQUEST_OPS = {"async_io": "NVMe offload"}
 
 
 
@@ -59,13 +62,13 @@ OP_BUILDERS = dict(zip(("deepspeed_shm_comm", "cpu_adam", "fused_adam", "pin_mem
 
 # How long a first build takes, for the notice. `zerotrain build-ops` on the project's 2-core CPU machine
 # (2026-11-28, its cores shared with other work): deepspeed_shm_comm 43 s, cpu_adam 81 s, fused_adam (the CPU
-# accelerator's C++ op) 60 s, pin_memory 31 s. Busier, the same kind of machine took over 4 minutes for
-# deepspeed_shm_comm (issue 38), about 5 for cpu_adam (zerotrain.ops.STALE_BUILD_LOCK_S) and about 8 for async_io
-# (tests/distributed/test_nvme_offload.py). FusedAdam's CUDA op with nvcc on a 16-core GPU node: about a
+# accelerator's C++ op) 60 s, pin_memory 31 s; alone on it (2026-12-02): 27 s, 43 s, 39 s, 18 s and async_io 134 s.
+# Busier, the same kind of machine took over 4 minutes for deepspeed_shm_comm (issue 38), about 5 for cpu_adam
+# (zerotrain.ops.STALE_BUILD_LOCK_S) and about 8 for async_io (tests/distributed/test_nvme_offload.py). FusedAdam's CUDA op with nvcc on a 16-core GPU node: about a
 # minute (issue 38).
 BUILD_TIME = {"deepspeed_shm_comm": "1 to 4 minutes on 2 CPU cores", "cpu_adam": "1 to 5 minutes on 2 CPU cores",
               "fused_adam": "about a minute", "pin_memory": "about 30 s on 2 CPU cores",
-              "async_io": "about 8 minutes on 2 CPU cores"}
+              "async_io": "2 to 8 minutes on 2 CPU cores"}
 
 
 def jit_builds(names: Iterable[str]) -> list[tuple[str, Path]] | None:

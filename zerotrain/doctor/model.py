@@ -1,5 +1,5 @@
-"""`zerotrain doctor`'s model checks: whether the model's weights can be had (a local folder, the hub cache
-or the hub), and the plan for this machine."""
+"""`zerotrain doctor`'s model checks: whether the files training reads are on this node (a local folder, the
+hub cache), what a run would download from the hub, and the plan for this machine."""
 
 from __future__ import annotations
 
