@@ -162,9 +162,9 @@ def raw_worker(sets: list[str], result: Path, deepspeed_json: Path, warm_up: int
     deepspeed.init_distributed(dist_backend="gloo")
     spec = resolve_model(run.model)
     # One micro-batch, prepared before the loop as zerotrain prepares each (not timed).
-    prepared = prepare(run, spec, topo)
+    folder = model_folder(spec, run, topo, "train")
+    prepared = prepare(run, spec, topo, source=folder)
     loader, _ = make_loader(prepared, run, ds_config["train_micro_batch_size_per_gpu"], topo)
-    folder = model_folder(spec, run.model.revision, run.data.cache_dir / "models")
     scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     objective = make_objective(spec, scheduler_config, run.objective, run.data.resolution, model_dtype=torch.bfloat16)
     inputs = objective.prepare(next(iter(loader)), torch.Generator().manual_seed(0))

@@ -68,7 +68,8 @@ def components(index: dict[str, Any]) -> list[Component]:
     repo's, and diffusers fetches it itself)."""
     out = []
     for key, value in index.items():
-        if key.startswith("_") or not isinstance(value, list) or len(value) not in (2, 3) or value[0] is None:
+        if (key.startswith("_") or not isinstance(value, list) or len(value) not in (2, 3)
+                or not all(isinstance(part, str) for part in value[:2])):  # a setting (Krea 2's layer list), or unset
             continue
         spec = value[2] if len(value) == 3 and isinstance(value[2], dict) else {}
         if spec.get("pretrained_model_name_or_path"):
