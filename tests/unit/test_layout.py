@@ -380,3 +380,14 @@ def test_no_module_imports_an_entry_point():
     importers = {entry: sorted(name for name, edges in graph.items() if entry in edges)
                  for entry in ("zerotrain.train", "zerotrain.cli")}
     assert importers == {"zerotrain.train": ["zerotrain.cli"], "zerotrain.cli": []}
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest's default import mode puts each test folder on sys.path and imports a test file by its bare name,
+    so tests/unit/test_x.py and tests/e2e/test_x.py cannot both be collected in one run: the whole suite stops
+    at collection ("import file mismatch"), though each folder alone passes."""
+    tests = PACKAGE.parent / "tests"
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}
