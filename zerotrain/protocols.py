@@ -64,6 +64,9 @@ class ModelSpec:
     """The diffusers pipeline the model was published with (its model_index.json's _class_name, or
     the catalog's): what tells an edit model (FluxKontextPipeline) from the text-to-image model that
     shares its denoiser class; None for a bare config.json."""
+    denoiser: str | None = None
+    """Where a fine-tuned denoiser trained over the pipeline comes from (model.denoiser, resolved: "file
+    <path>", "folder <path>" or "hub <id>/<path>"); None: the pipeline's own."""
 
     def denoiser_class(self) -> type:
         """The diffusers class itself (imported lazily: diffusers takes seconds to import)."""
@@ -516,6 +519,12 @@ class KeyMaps(Protocol):
     def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A full fine-tune's denoiser weights in the key naming ComfyUI's "Load Diffusion Model" reads
         (diffusers' own names, which ComfyUI converts, by default)."""
+        ...
+
+    @torch_side
+    def diffusers_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """A single-file denoiser's weights (model.denoiser) in diffusers' names, where the denoiser class has no
+        from_single_file: comfyui_model's inverse; None where the family leaves it to diffusers."""
         ...
 
     @torch_side

@@ -125,6 +125,8 @@ class Family:
     model_keys: frozenset[str] | None = None
     model_check: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None
     read_back: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], Path, Path], dict[str, torch.Tensor]] | None = None
+    # zerotrain's own ComfyUI model (with its markers) reads back exactly as model.denoiser (models.fine_tune).
+    single_file: bool = True
 
 
 # --- the rows' hooks ------------------------------------------------------------------------------------
@@ -523,7 +525,8 @@ FAMILIES = [
         # (diffusers#12116), so their renders differ; test_family_chroma.py checks validation's.
         lora=True, lora_extra=("linear_1",), lora_read=False, lora_check=_chroma_lora,
         # No read_back: diffusers' converter assumes the published 3072 width; test_family_chroma.py reads back
-        # the full-size layout.
+        # the full-size layout. So the tiny file cannot be read as model.denoiser either (from_single_file).
+        single_file=False,
     ),
     Family(
         "flux", "FluxTransformer2DModel",
@@ -1119,6 +1122,31 @@ def test_comfyui_lora_is_the_same_adapter_diffusers_reads_back(row, folder):
             torch.testing.assert_close(got, expected.get(module, torch.zeros_like(got)), rtol=1e-5, atol=1e-6)
     if row.lora_loader:  # and the pipeline loads the file (a pipeline of its own: the adapter stays in its transformer)
         row.lora_loader(folder).load_lora_weights(dict(comfy))
+
+
+@pytest.mark.parametrize("row", rows("tiny", "single_file"), indirect=True)
+def test_the_comfyui_model_trains_again_as_model_denoiser_with_the_same_weights(row, folder, tmp_path):
+    """The file `zerotrain export --comfyui` writes, given as model.denoiser over its base, becomes the folder
+    training loads (models.fine_tune): every weight as exported, bit for bit, in its dtype; a file in diffusers'
+    names and shapes is linked, not copied."""
+    from safetensors.torch import load_file, save_file
+
+    from zerotrain.models.fine_tune import WEIGHTS, write_single_file
+
+    spec = spec_of(folder)
+    weights = {k: (v + 0.01 * torch.randn(v.shape, generator=gen(3))).to(v.dtype)
+               for k, v in transformer(folder).state_dict().items()}
+    comfy = {**of(spec).comfyui_model(dict(weights)), **of(spec).comfyui_markers(spec)}
+    file = tmp_path / "fine-tune.safetensors"
+    save_file({k: v.contiguous() for k, v in comfy.items()}, file, metadata={"format": "pt"})
+    denoiser = folder / of(spec).denoiser_folder
+    how = write_single_file(spec, file, denoiser, tmp_path / "out", "model.denoiser")
+    assert ((tmp_path / "out" / WEIGHTS).is_symlink()) == (how == "diffusers' names") == (comfy.keys() == weights.keys())
+    back = load_file(tmp_path / "out" / WEIGHTS)
+    assert back.keys() == weights.keys()
+    assert [k for k in weights if back[k].dtype != weights[k].dtype or not torch.equal(back[k], weights[k])] == []
+    loaded = spec.denoiser_class().from_pretrained(tmp_path / "out")
+    assert all(torch.equal(loaded.state_dict()[k], weights[k]) for k in weights)
 
 
 @pytest.mark.parametrize("row", rows("read_back"), indirect=True)

@@ -66,12 +66,28 @@ class ModelConfig(_Section):
     when not given."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids: the one planned and downloaded."""
+    denoiser: str | None = None
+    """A fine-tuned denoiser to train in place of the pipeline's own, over name_or_path's VAE, text
+    encoders and scheduler: a single .safetensors file (diffusers' names, or the Black Forest Labs,
+    ComfyUI and original layouts diffusers' from_single_file reads; zerotrain's own --comfyui export),
+    a diffusers model folder (config.json and weights, such as a run's export/transformer, or a
+    pipeline folder, whose denoiser is taken), or a hub id: owner/name for a pipeline repo,
+    owner/name/<folder> for a folder in it, owner/name/<file>.safetensors for a file in it. It must be
+    the architecture name_or_path's pipeline trains; a single file is planned as the base's."""
+    denoiser_revision: str | None = None
+    """Hub revision of model.denoiser, where it is a hub id."""
     load: Loading = Loading.auto
     """How the ranks of a node load the denoiser. auto: about one model copy of host RAM per node
     (ZeRO-3: rank 0 reads each weight from the memory-mapped safetensors and DeepSpeed keeps each
     rank's partition; ZeRO 0-2 and a quantized base on GPUs: the ranks of a node load in turn, each
     moving its copy to its GPU before the next starts). whole: every rank loads the whole model on
     the host at once (one copy per rank)."""
+
+    @model_validator(mode="after")
+    def _denoiser_revision(self) -> ModelConfig:
+        if self.denoiser_revision is not None and self.denoiser is None:
+            raise ValueError("denoiser_revision applies to model.denoiser, which is not set; remove it or set denoiser")
+        return self
 
 
 class LoraConfig(_Section):

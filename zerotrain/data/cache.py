@@ -56,6 +56,7 @@ from zerotrain.data.dataset import Discovery, Item, Verdict
 from zerotrain.data.images import ImageRejected, load_mask, load_rgb
 from zerotrain.distributed import Topology, barrier, on_each_node
 from zerotrain.errors import ZerotrainError
+from zerotrain.models.fine_tune import fine_tune_folder
 from zerotrain.models.hub import Purpose, model_files
 from zerotrain.protocols import ModelSpec
 
@@ -112,8 +113,9 @@ def model_folder(spec: ModelSpec, run: RunConfig, topo: Topology, purpose: Purpo
     """The local diffusers folder holding every file a run of `purpose` reads (models.hub): a local folder
     checked, a hub repo downloaded into the Hugging Face cache by local rank 0 of each node while the node's
     other ranks wait, and checked. The catalog's tiny-* models are built under data.cache_dir/models (by
-    rank 0: transformers saves files on rank 0 only), since they have no published weights. Every rank
-    calls it, before anything is encoded."""
+    rank 0: transformers saves files on rank 0 only), since they have no published weights. With
+    model.denoiser, training's folder is the base's with the fine-tune in place of its denoiser, written
+    once per node (models.fine_tune). Every rank calls it, before anything is encoded."""
     from zerotrain.models.tiny import TINY_NAMES, ensure_tiny_pipeline
 
     if spec.pretrained is None and spec.name in TINY_NAMES:
@@ -121,8 +123,12 @@ def model_folder(spec: ModelSpec, run: RunConfig, topo: Topology, purpose: Purpo
         if topo.is_main:
             ensure_tiny_pipeline(spec.name, root)
         barrier()
-        return ensure_tiny_pipeline(spec.name, root)
-    return on_each_node(model_files, topo, spec, run.model.revision, purpose)
+        folder = ensure_tiny_pipeline(spec.name, root)
+    else:
+        folder = on_each_node(model_files, topo, spec, run.model.revision, purpose)
+    if spec.denoiser is not None and purpose == "train":
+        return on_each_node(fine_tune_folder, topo, spec, folder, run)
+    return folder
 
 
 def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: str) -> tuple[list[Planned], list[Verdict]]:

@@ -16,6 +16,7 @@ from typing import Any
 from zerotrain import families
 from zerotrain.config.sections import ModelConfig
 from zerotrain.errors import ZerotrainError, one_line
+from zerotrain.models.denoiser import PICKLES, SINGLE_FILES, over_base
 from zerotrain.models.hub import hub_file, hub_index, pipeline_index
 from zerotrain.protocols import ModelSpec
 
@@ -73,12 +74,24 @@ def catalog_listing() -> str:
 
 
 def resolve_model(config: ModelConfig) -> ModelSpec:
-    """Resolve model.name_or_path: a catalog name, a diffusers config.json, a local diffusers model
-    folder, or a hub id (owner/name). Raises ZerotrainError with one line on any bad input."""
+    """Resolve model.name_or_path (a catalog name, a diffusers config.json, a local diffusers model folder,
+    or a hub id: owner/name), with model.denoiser's fine-tune in place of its denoiser where set. Raises
+    ZerotrainError with one line on any bad input."""
+    base = _resolve_base(config)
+    return over_base(base, config) if config.denoiser is not None else base
+
+
+def _resolve_base(config: ModelConfig) -> ModelSpec:
     name = config.name_or_path
     if name in catalog_names():
         return _from_catalog(name)
     path = Path(name).expanduser()
+    if path.is_file() and path.name.endswith(SINGLE_FILES + PICKLES):
+        raise ZerotrainError(
+            f"{_FIELD}='{name}' is a single weights file, not a pipeline; set model.denoiser to it and "
+            f"{_FIELD} to the pipeline it was fine-tuned from (a catalog name such as flux-dev, a hub id or a "
+            "diffusers folder), whose VAE, text encoders and scheduler it trains with"
+        )
     if path.is_file():
         return _from_config_file(name, path)
     if path.is_dir():

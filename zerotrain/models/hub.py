@@ -19,6 +19,7 @@ which validation's pipeline loads too); the cache alone asks for "encode" (the V
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -54,6 +55,9 @@ class Component:
     name: str
     folder: str
     class_name: str
+    config_only: bool = False
+    """Only its config is read: the base's denoiser where model.denoiser replaces its weights (a single file
+    is converted with the base's config)."""
 
     @property
     def is_model(self) -> bool:
@@ -86,12 +90,15 @@ def needed(spec: ModelSpec, index: dict[str, Any], index_name: str, purpose: Pur
     listed = {c.name: c for c in components(index)}
     text = [name for pair in family.text_parts(family.pipeline_name(spec)) for name in pair]
     wanted = ["vae", *text]
+    denoiser = spec.subfolder or family.denoiser_folder
     if purpose == "train":
-        wanted += [spec.subfolder or family.denoiser_folder] + (["scheduler"] if index_name == "model_index.json" else [])
+        wanted += [denoiser] + (["scheduler"] if index_name == "model_index.json" else [])
     absent = [name for name in wanted if name not in listed]
     if absent:
         raise ZerotrainError(f"{where}: its {index_name} lists no {', '.join(absent)}, which {family.title} "
                              f"training needs; point {_FIELD} to the model's complete diffusers pipeline")
+    if spec.denoiser is not None and denoiser in listed:
+        listed[denoiser] = dataclasses.replace(listed[denoiser], config_only=True)
     return list(listed.values()) if purpose == "train" else [listed[name] for name in wanted]
 
 
@@ -113,7 +120,7 @@ def select(paths: Iterable[str], parts: list[Component], index_name: str) -> lis
     for part in parts:
         inside = [p for p in paths if p.rpartition("/")[0] == part.folder]
         names = [_basename(p) for p in inside]
-        kind = next((s for s in _LOADED_WEIGHTS if any(_plain(n, s) for n in names)), None)
+        kind = None if part.config_only else next((s for s in _LOADED_WEIGHTS if any(_plain(n, s) for n in names)), None)
         for path, name in zip(inside, names):
             if name.endswith(_WEIGHT_SUFFIXES):
                 if kind is not None and _plain(name, kind):
@@ -137,7 +144,7 @@ def incomplete(files: Iterable[str], parts: list[Component]) -> list[str]:
             lacking.append(f"{part.folder}/")
         elif part.is_model and "config.json" not in inside:
             lacking.append(f"{part.folder}/config.json")
-        elif part.is_model and not any(n.endswith(_LOADED_WEIGHTS) for n in inside):
+        elif part.is_model and not part.config_only and not any(n.endswith(_LOADED_WEIGHTS) for n in inside):
             lacking.append(f"{part.folder}/ weights (*.safetensors)")
     return lacking
 
@@ -169,7 +176,7 @@ def check_folder(spec: ModelSpec, folder: Path, purpose: Purpose) -> Path:
     if index_path is None:
         raise ZerotrainError(f"{where}: {folder} holds no {' or '.join(PIPELINE_INDEXES)}; training needs the "
                              "model's complete diffusers pipeline folder (save_pretrained's, or a hub id)")
-    parts = needed(spec, _read_index(index_path), index_path.name, purpose, f"{where}: {folder}")
+    parts = needed(spec, read_json(index_path), index_path.name, purpose, f"{where}: {folder}")
     files = local_files(folder)
     lacking = incomplete(files, parts) + shards_missing(folder, files)
     if lacking:
@@ -179,13 +186,14 @@ def check_folder(spec: ModelSpec, folder: Path, purpose: Purpose) -> Path:
     return folder
 
 
-def _read_index(path: Path) -> dict[str, Any]:
+def read_json(path: Path, where: str = _FIELD) -> dict[str, Any]:
+    """A JSON object file (a pipeline index, a config), or one line starting with `where` (the field)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise ZerotrainError(f"{_FIELD}: cannot read {path} ({one_line(err, 200)})") from err
+        raise ZerotrainError(f"{where}: cannot read {path} ({one_line(err, 200)})") from err
     if not isinstance(data, dict):
-        raise ZerotrainError(f"{_FIELD}: {path} must hold a JSON object")
+        raise ZerotrainError(f"{where}: {path} must hold a JSON object")
     return data
 
 
@@ -258,7 +266,7 @@ def hub_index(repo_id: str, revision: str | None, required: bool = True, cache: 
                 raise
             return "", {}
         if path is not None:
-            return name, _read_index(path)
+            return name, read_json(path)
     return "", {}
 
 

@@ -30,9 +30,10 @@ TOP_TERMS = 3
 
 def model_document(spec: ModelSpec, facts: ModelFacts, calibration: str | None) -> dict:
     """What a plan planned for (`zerotrain plan --json`'s "model"): the denoiser's exact parameter counts, its
-    name and family, the tokens of one sample, where the facts came from, and the calibration used."""
+    name and family, where a fine-tuned denoiser over the pipeline comes from (model.denoiser; null: the
+    pipeline's own), the tokens of one sample, where the facts came from, and the calibration used."""
     return {
-        "name": spec.name, "family": spec.family, "class": spec.class_name,
+        "name": spec.name, "family": spec.family, "class": spec.class_name, "denoiser": spec.denoiser,
         "total_params": facts.total_params, "trainable_params": facts.trainable_params,
         "frozen_params": facts.frozen_params,
         "image_tokens": facts.image_tokens, "text_tokens": facts.text_tokens, "reference_tokens": facts.reference_tokens,

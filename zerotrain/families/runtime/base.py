@@ -181,6 +181,9 @@ class BaseRuntime(BaseFamily):
     def comfyui_model(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return weights
 
+    def diffusers_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        return None
+
     def comfyui_markers(self, spec: ModelSpec) -> dict[str, torch.Tensor]:
         return {}
 

@@ -29,6 +29,7 @@ from zerotrain.families.ideogram4 import (
     VAE_PATCH,
     Ideogram4,
     Ideogram4Codec,
+    comfyui_model_to_diffusers,
 )
 from zerotrain.families.runtime.base import (
     BaseRuntime,
@@ -234,6 +235,11 @@ class Ideogram4Runtime(Ideogram4, BaseRuntime):
             elif rest == "to_out.0.weight":
                 out[f"{block}.attention.o.weight"] = tensor
         return out
+
+    def diffusers_weights(self, weights: dict[str, Any]) -> dict[str, Any]:
+        """comfyui_model's layout read back (diffusers' names pass through unchanged): diffusers has no
+        Ideogram 4 single-file loader."""
+        return comfyui_model_to_diffusers(weights)
 
     def tiny_components(self, denoiser: dict[str, Any]) -> tuple[type, dict[str, Any]]:
         """Both transformers from the tiny config (the unconditional one from its own seed), a Qwen3-VL as
