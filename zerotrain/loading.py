@@ -40,9 +40,8 @@ from zerotrain import families
 from zerotrain.config.sections import Loading, Quantization, RunConfig
 from zerotrain.distributed import Topology, barrier, from_rank0, gather_objects
 from zerotrain.errors import ZerotrainError
+from zerotrain.models.hub import WEIGHTS
 from zerotrain.protocols import ModelSpec
-
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from zerotrain.units import GiB, MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny-cpu.yaml"
-NAMES = ["config", "versions", "libraries", "deepspeed ops", "gpus", "nccl p2p", "model", "plan", "gpu memory", "host ram",
-         "nvme", "shm", "output"]
+NAMES = ["config", "versions", "libraries", "deepspeed ops", "gpus", "nccl p2p", "model", "denoiser", "plan", "gpu memory",
+         "host ram", "nvme", "shm", "output"]
 Usage = namedtuple("Usage", "total used free")
 
 
@@ -478,3 +478,27 @@ def test_libraries_are_reported_against_the_tested_versions(tmp_path, monkeypatc
     monkeypatch.setattr(versions, "installed", real)
     finding = doctor.check_libraries(doctor.Context(run, environ={"DS_PIN_MEMORY_BACKEND": "native"}))
     assert finding.verdict == "warn" and finding.advice == "unset DS_PIN_MEMORY_BACKEND"
+
+
+def test_the_denoiser_check_says_where_a_fine_tune_is_and_what_the_run_does_with_it(tmp_path, tmp_path_factory,
+                                                                                   no_gpu):
+    """No model.denoiser: skip. A local file: its size, and that each node checks and links or converts it into
+    data.cache_dir/models before the cache build. A diffusers folder: its architecture, linked. A LoRA: fail."""
+    from safetensors.torch import save_file
+
+    from tests.unit.tiny_family import tiny_root
+    from zerotrain.models.tiny import ensure_tiny_pipeline
+
+    assert run_one(doctor.check_denoiser, tiny_run(tmp_path)).verdict == "skip"
+    folder = ensure_tiny_pipeline("tiny-flux", tiny_root(tmp_path_factory))
+    file = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    run = tiny_run(tmp_path, f"model.denoiser={file}")
+    finding = run_one(doctor.check_denoiser, run)
+    assert finding.verdict == "ok" and f"{file} (" in finding.detail, finding
+    assert str(run.data.cache_dir / "models") in finding.detail, finding
+    finding = run_one(doctor.check_denoiser, tiny_run(tmp_path, f"model.denoiser={folder / 'transformer'}"))
+    assert finding.verdict == "ok" and "diffusers folder" in finding.detail, finding
+    save_file({"x_embedder.lora_A.weight": torch.zeros(1, 1)}, tmp_path / "lora.safetensors")
+    finding = run_one(doctor.check_denoiser, tiny_run(tmp_path, f"model.denoiser={tmp_path / 'lora.safetensors'}",
+                                                      measure=False))
+    assert finding.verdict == "fail" and "is an adapter" in finding.detail, finding

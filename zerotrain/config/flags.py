@@ -12,6 +12,7 @@ from zerotrain.config.sections import RunConfig
 # Flags that are shorthands for config fields: flag -> dotted field.
 PLAN_FLAGS = {
     "model": "model.name_or_path",
+    "denoiser": "model.denoiser",
     "resolution": "data.resolution",
     "references": "data.references",
     "control_resolution": "data.control_resolution",
@@ -35,6 +36,8 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set training.lora.rank=32 (repeatable)")
     p.add_argument("--model", help="catalog name, diffusers config.json, model folder or hub id")
+    p.add_argument("--denoiser", help="a fine-tuned denoiser over --model's pipeline: .safetensors file, diffusers "
+                                      "folder or hub id (model.denoiser)")
     p.add_argument("--resolution", type=int, help="training resolution in pixels (default 1024)")
     p.add_argument("--references", type=int, metavar="N",
                    help="edit models: reference images per sample (default: the datasets' controls, else none)")

@@ -29,12 +29,12 @@ from zerotrain.config.flags import add_plan_flags, config_from_args
 from zerotrain.doctor.base import EXIT_CODES, Check, CheckFunction, Context, Finding, exit_code
 from zerotrain.doctor.gpus import check_gpu_memory, check_gpus, check_p2p
 from zerotrain.doctor.host import check_host_ram, check_nvme, check_output, check_shm
-from zerotrain.doctor.model import check_model, check_plan
+from zerotrain.doctor.model import check_denoiser, check_model, check_plan
 from zerotrain.doctor.software import check_config, check_deepspeed, check_libraries, check_versions
 from zerotrain.errors import ZerotrainError, one_line
 
 __all__ = ["CHECKS", "EXIT_CODES", "Check", "Context", "Finding", "add_parser", "check_config", "check_deepspeed",
-           "check_gpu_memory", "check_gpus", "check_host_ram", "check_libraries", "check_model", "check_nvme",
+           "check_denoiser", "check_gpu_memory", "check_gpus", "check_host_ram", "check_libraries", "check_model", "check_nvme",
            "check_output", "check_p2p", "check_plan", "check_shm", "check_versions", "exit_code", "main", "run_checks",
            "to_json"]
 
@@ -47,6 +47,7 @@ CHECKS: list[tuple[str, CheckFunction]] = [
     ("gpus", check_gpus),
     ("nccl p2p", check_p2p),
     ("model", check_model),
+    ("denoiser", check_denoiser),
     ("plan", check_plan),
     ("gpu memory", check_gpu_memory),
     ("host ram", check_host_ram),

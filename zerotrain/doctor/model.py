@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from zerotrain.doctor.base import Context, Finding, Missing, _layout_words, _size, _truthy
 from zerotrain.units import gib
@@ -96,6 +97,65 @@ def check_model(ctx: Context) -> Finding:
         return _hub_finding(ctx, name)
     return Finding("fail", f"model.name_or_path={name}: no such folder or file, and not a catalog name or hub id",
                    f"fix the path, or use a catalog name ({', '.join(catalog_names())}) or a hub id (owner/name)")
+
+
+def check_denoiser(ctx: Context) -> Finding:
+    """Where model.denoiser is, how large, whether this node has it, and what the run does with it first."""
+    from zerotrain.errors import ZerotrainError
+    from zerotrain.models.denoiser import source_of
+
+    model = ctx.run.model
+    if model.denoiser is None:
+        return Finding("skip", "no model.denoiser: the pipeline's own denoiser trains")
+    spec = ctx.spec
+    if isinstance(spec, Missing):
+        return Finding("fail", spec.reason, "fix model.denoiser (or model.name_or_path)")
+    try:
+        source = source_of(model)
+    except ZerotrainError as err:
+        return Finding("fail", str(err), "fix model.denoiser")
+    written = ctx.run.data.cache_dir / "models"
+    if source.repo is None and source.kind == "folder":
+        return Finding("ok", f"diffusers folder {source.path} ({spec.class_name}, {spec.name}'s architecture) trains over "
+                             f"{spec.name}'s pipeline; its files are linked into {written} once per node")
+    if source.repo is None:
+        size = _size(Path(source.path).stat().st_size)
+        return Finding("ok", f"{source.path} ({size}) trains as {spec.name}'s {spec.class_name}: once per node, before "
+                             f"the cache build, its names and shapes are checked and it is linked (diffusers' names) or "
+                             f"converted (other layouts, about {size} more) into {written}")
+    cache = _hub_cache_dir(ctx.environ)
+    if _hub_cached(source, cache):
+        return Finding("ok", f"{source.label}: in the hub cache {cache}")
+    fetch = f"hf download {source.repo}" + (f" --revision {source.revision}" if source.revision else "")
+    if _hub_offline(ctx.environ):
+        return Finding("fail", f"{source.label}: not known to be in the hub cache {cache}, and HF_HUB_OFFLINE is set",
+                       f"where there is network run `{fetch}` with this HF_HOME / HF_HUB_CACHE, or unset HF_HUB_OFFLINE")
+    return Finding("warn", f"{source.label}: the run downloads what this node's hub cache {cache} lacks of it before "
+                           "its cache build, once per node", f"to download ahead: `{fetch}`")
+
+
+def _hub_cached(source: Any, cache: Path) -> bool:
+    """Whether the hub cache holds a hub denoiser: its file; a folder's config.json and its weights (diffusers'
+    single file, or the sharded index and every shard it names)."""
+    import json
+
+    from huggingface_hub import try_to_load_from_cache
+
+    from zerotrain.models.hub import WEIGHTS
+
+    def cached(path: str) -> Path | None:
+        found = try_to_load_from_cache(source.repo, path.lstrip("/"), cache_dir=cache, revision=source.revision)
+        return Path(found) if isinstance(found, str) else None
+
+    if source.kind == "file":
+        return cached(source.path) is not None
+    if cached(f"{source.path}/config.json") is None:
+        return False
+    if cached(f"{source.path}/{WEIGHTS}") is not None:
+        return True
+    index = cached(f"{source.path}/{WEIGHTS}.index.json")
+    return index is not None and all(cached(f"{source.path}/{shard}") is not None
+                                     for shard in set(json.loads(index.read_text())["weight_map"].values()))
 
 
 def check_plan(ctx: Context) -> Finding:

@@ -21,6 +21,7 @@ from pathlib import Path
 import accelerate
 import torch
 from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+from diffusers.loaders.single_file_utils import SingleFileComponentError
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -28,12 +29,11 @@ from zerotrain import families
 from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.models.denoiser import denoiser_subfolder, fetch, source_of
-from zerotrain.models.hub import Component, incomplete, local_files
+from zerotrain.models.hub import WEIGHTS, Component, incomplete, local_files
 from zerotrain.protocols import ModelSpec
 
 # Bump when what the folder holds changes, so that folders written by older code are not reused.
 VERSION = 1
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 _FIELD = "model.denoiser"
 
 
@@ -141,7 +141,7 @@ def _converted(spec: ModelSpec, cls: type, file: Path, base_denoiser: Path, meta
                                      f"not in diffusers' names: {hint}")
             meta.load_state_dict(tensors, strict=True, assign=True)
             model = meta
-    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as err:
+    except (RuntimeError, ValueError, KeyError, IndexError, TypeError, SingleFileComponentError) as err:
         raise ZerotrainError(f"{where}: {file} does not read as {spec.name}'s {spec.class_name} "
                              f"({one_line(err, 160)}); {hint}") from err
     missing = [name for name, tensor in model.state_dict().items() if tensor.device.type == "meta"]

@@ -41,6 +41,8 @@ PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
 # Weight files of every framework a repo may carry; a component keeps only the kind from_pretrained loads.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".onnx", ".onnx_data",
                     ".pb", ".gguf")
+# diffusers' single weights file of a model folder (sharded: with .index.json beside its shards).
+WEIGHTS = "diffusion_pytorch_model.safetensors"
 # In the order from_pretrained prefers them (use_safetensors=None: safetensors where present).
 _LOADED_WEIGHTS = (".safetensors", ".bin")
 
