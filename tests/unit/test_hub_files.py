@@ -4,6 +4,8 @@ hub in tests/e2e/test_hub.py and tests/distributed/test_hub_model.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from zerotrain.models.hub import Component, components, incomplete, select
 
 INDEX = {"_class_name": "FluxPipeline", "_diffusers_version": "0.42.1", "image_encoder": [None, None],
@@ -51,3 +53,36 @@ def test_incomplete_names_what_a_component_lacks():
              if not p.startswith(("scheduler/", "transformer/diffusion"))]
     assert incomplete(files, parts) == ["scheduler/", "transformer/ weights (*.safetensors)"]
     assert incomplete([p for p in files if p != "vae/config.json"], parts)[-1] == "vae/config.json"
+
+
+def test_every_catalog_models_published_pipeline_lists_what_training_reads():
+    """What can be checked of the examples' hub repos without a network: a diffusers pipeline repo's
+    model_index.json lists its pipeline class's components (save_pretrained writes one entry per argument of the
+    class's __init__), so each catalog model whose hub repo is a diffusers pipeline passes `needed` for training,
+    for the cache, and with a fine-tuned denoiser (whose weights are then not read); a modular pipeline (FLUX.3)
+    lists its blocks' components in its own index, which tests/e2e/test_hub.py serves."""
+    import inspect
+
+    import diffusers
+
+    from zerotrain import families
+    from zerotrain.config.sections import ModelConfig
+    from zerotrain.models.catalog import catalog_names, resolve_model
+    from zerotrain.models.hub import needed
+
+    checked = []
+    for name in catalog_names():
+        spec = resolve_model(ModelConfig(name_or_path=name))
+        family = families.of(spec)
+        pipeline = getattr(diffusers, family.pipeline_name(spec), None)
+        if spec.pretrained is None or family.plan_only(spec) is not None or pipeline is None \
+                or issubclass(pipeline, diffusers.ModularPipeline):
+            continue
+        index = {key: ["diffusers", "Any"] for key in inspect.signature(pipeline.__init__).parameters if key != "self"}
+        index[spec.subfolder or family.denoiser_folder] = ["diffusers", spec.class_name]
+        for purpose in ("train", "encode"):
+            assert needed(spec, index, "model_index.json", purpose, name)
+        tuned = needed(dataclasses.replace(spec, denoiser="file x.safetensors"), index, "model_index.json", "train", name)
+        assert [part.name for part in tuned if part.config_only] == [spec.subfolder or family.denoiser_folder]
+        checked.append(name)
+    assert len(checked) >= 15, checked
