@@ -535,6 +535,9 @@ def comfyui_dora(spec: ModelSpec, layers: dict[str, torch.Tensor], config: Any) 
     from zerotrain.loading import weight_files
 
     family = families.of(spec)
+    if spec.denoiser is not None:  # the base weights are the fine-tune's, which spec.pretrained does not hold
+        raise ZerotrainError(f"the ComfyUI export of a DoRA trained over model.denoiser ({spec.denoiser}) is not "
+                             "written yet; export without --comfyui (the diffusers DoRA loads in diffusers)")
     files = weight_files(spec, Path(spec.pretrained)) if spec.pretrained else "the model has no weights folder"
     if isinstance(files, str):
         raise ZerotrainError(f"the ComfyUI export of a DoRA needs the base weights: {files}")

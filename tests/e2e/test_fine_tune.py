@@ -167,3 +167,22 @@ def test_a_hub_fine_tune_downloads_only_itself_and_trains(inside, tiny, tmp_path
     assert before["verdict"] == "warn" and f"hub {REPO}/{inside}: the run downloads" in before["detail"], before
     assert after["verdict"] == "ok" and f"hub {REPO}/{inside}: in the hub cache" in after["detail"], after
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+@pytest.mark.parametrize(("denoiser", "revision", "expected"), [
+    ("zerotrain-tests/no-such-repo/transformer", None, "model.denoiser='zerotrain-tests/no-such-repo': no such hub repo"),
+    (f"{REPO}/transformer", "v9", "model.denoiser_revision='v9': no such revision of hub repo"),
+    (f"{REPO}/unet", None, "the hub repo has no config.json or pipeline index at 'unet'"),
+])
+def test_a_hub_denoiser_that_is_not_there_is_one_line_when_planned(denoiser, revision, expected, tiny, tmp_path):
+    with LocalHub() as hub:
+        hub.add(REPO, tiny["tiny-flux"])
+        args = [sys.executable, "-m", "zerotrain.cli", "plan", "--model", "tiny-flux", "--denoiser", denoiser,
+                "--resolution", "64", "--gpus", "1xH100-80GB", *(["--set", f"model.denoiser_revision={revision}"]
+                                                                   if revision else [])]
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+        result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+                                env={**environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert expected in line, line

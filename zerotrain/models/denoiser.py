@@ -157,13 +157,13 @@ def _folder_config(source: Source, base: ModelSpec, where: str) -> tuple[dict[st
                                  f"{base.class_name}); give a diffusers model folder (save_pretrained's) or a .safetensors file")
         return read_json(path, where), str(path)
     for name in ("config.json", "model_index.json", "modular_model_index.json"):
-        path = hub_file(source.repo, f"{source.path}/{name}".lstrip("/"), source.revision)
+        path = hub_file(source.repo, f"{source.path}/{name}".lstrip("/"), source.revision, field=_FIELD)
         if path is None:
             continue
         if name == "config.json":
             return read_json(path, where), f"{source.repo}/{source.path}/config.json"
         inner = _component(read_json(path, where), base, where)
-        found = hub_file(source.repo, f"{source.path}/{inner}/config.json".lstrip("/"), source.revision)
+        found = hub_file(source.repo, f"{source.path}/{inner}/config.json".lstrip("/"), source.revision, field=_FIELD)
         if found is not None:
             return read_json(found, where), f"{source.repo}/{source.path}/{inner}/config.json".replace("//", "/")
     raise ZerotrainError(f"{where}: the hub repo has no config.json or pipeline index at '{source.path or '/'}'; name "
@@ -219,7 +219,7 @@ def fetch(source: Source, spec: ModelSpec) -> Path:
 
     if source.repo is None:
         return Path(source.path)
-    with hub_errors(source.repo, source.revision, source.path or "the denoiser"):
+    with hub_errors(source.repo, source.revision, source.path or "the denoiser", _FIELD):
         if source.kind == "file":
             return Path(hf_hub_download(source.repo, source.path, revision=source.revision))
         tree = HfApi().list_repo_tree(source.repo, revision=source.revision, recursive=True)
@@ -230,9 +230,9 @@ def fetch(source: Source, spec: ModelSpec) -> Path:
         index = next((name for name in ("model_index.json", "modular_model_index.json")
                       if f"{inner}/{name}".lstrip("/") in listing), None)
         if index is not None:
-            local = hub_file(source.repo, f"{inner}/{index}".lstrip("/"), source.revision)
+            local = hub_file(source.repo, f"{inner}/{index}".lstrip("/"), source.revision, field=_FIELD)
             inner = f"{inner}/{_component(read_json(local, where), spec, where)}".strip("/")  # type: ignore[arg-type]
     files = select(listing, [Component("denoiser", inner, spec.class_name)], "")[1:]
-    with hub_errors(source.repo, source.revision, "the denoiser's files"):
+    with hub_errors(source.repo, source.revision, "the denoiser's files", _FIELD):
         folder = Path(snapshot_download(source.repo, revision=source.revision, allow_patterns=files))
     return folder / inner

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import accelerate
@@ -28,7 +29,7 @@ from safetensors.torch import load_file
 from zerotrain import families
 from zerotrain.config.sections import RunConfig
 from zerotrain.errors import ZerotrainError, one_line
-from zerotrain.models.denoiser import denoiser_subfolder, fetch, source_of
+from zerotrain.models.denoiser import check_single_file, denoiser_subfolder, fetch, source_of
 from zerotrain.models.hub import WEIGHTS, Component, incomplete, local_files
 from zerotrain.protocols import ModelSpec
 
@@ -47,11 +48,13 @@ def fine_tune_folder(spec: ModelSpec, base: Path, run: RunConfig) -> Path:
     if source.kind == "folder":
         local = (local / denoiser_subfolder(local, spec, where)).resolve()
         _check_weights(local, spec, where)
+    else:  # a hub file's header is first read here, after its download
+        check_single_file(local, spec, where)
     root = run.data.cache_dir / "models"
     target = root / f"fine-tune-{_digest(base, local, sub)}"
     if target.is_dir():
         return target
-    partial = root / f".{target.name}.{os.getpid()}.partial"
+    partial = root / f".{target.name}.{socket.gethostname()}.{os.getpid()}.partial"  # nodes may share the folder
     shutil.rmtree(partial, ignore_errors=True)
     try:
         _link_files(base, partial, skip=sub)

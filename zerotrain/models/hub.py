@@ -203,8 +203,9 @@ def read_json(path: Path, where: str = _FIELD) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def hub_errors(repo_id: str, revision: str | None, what: str) -> Iterator[None]:
-    """huggingface_hub's errors as one line each: what went wrong with `what` of which repo, and what to do."""
+def hub_errors(repo_id: str, revision: str | None, what: str, field: str = _FIELD) -> Iterator[None]:
+    """huggingface_hub's errors as one line each: what went wrong with `what` of which repo (named by the config
+    `field`: model.name_or_path, or model.denoiser with its revision model.denoiser_revision), and what to do."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -215,7 +216,8 @@ def hub_errors(repo_id: str, revision: str | None, what: str) -> Iterator[None]:
         RevisionNotFoundError,
     )
 
-    where = f"{_FIELD}='{repo_id}'"
+    where = f"{field}='{repo_id}'"
+    revision_field = "model.denoiser_revision" if field == "model.denoiser" else "model.revision"
     instead = "or pass a local diffusers folder instead"
     try:
         yield
@@ -228,7 +230,7 @@ def hub_errors(repo_id: str, revision: str | None, what: str) -> Iterator[None]:
             f"{where}: no such hub repo (or it is private); check the id and your token (HF_TOKEN), {instead}") from err
     except RevisionNotFoundError as err:
         raise ZerotrainError(
-            f"model.revision='{revision}': no such revision of hub repo {repo_id}; fix model.revision, {instead}"
+            f"{revision_field}='{revision}': no such revision of hub repo {repo_id}; fix {revision_field}, {instead}"
         ) from err
     except (LocalEntryNotFoundError, *_unreachable()) as err:
         raise ZerotrainError(
@@ -242,13 +244,13 @@ def hub_errors(repo_id: str, revision: str | None, what: str) -> Iterator[None]:
 
 
 def hub_file(repo_id: str, filename: str, revision: str | None, cache: Path | None = None,
-             offline: bool = False) -> Path | None:
+             offline: bool = False, field: str = _FIELD) -> Path | None:
     """Download one file of a hub repo into the hub cache (`cache`: huggingface_hub's, from HF_HOME /
     HF_HUB_CACHE, when None; `offline`: only look there); None when the repo has no such file."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
-    with hub_errors(repo_id, revision, filename):
+    with hub_errors(repo_id, revision, filename, field):
         try:
             return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache,
                                         local_files_only=offline))
