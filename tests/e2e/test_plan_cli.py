@@ -70,7 +70,7 @@ def test_the_json_plan_states_the_model_it_planned_for(capsys):
         return json.loads(capsys.readouterr().out)["model"]
 
     first = planned("--model", "tiny-flux", "--resolution", "192", "--mode", "full")
-    assert first == {"name": "tiny-flux", "family": "flux", "class": "FluxTransformer2DModel",
+    assert first == {"name": "tiny-flux", "family": "flux", "class": "FluxTransformer2DModel", "denoiser": None,
                      "total_params": parameters["tiny-flux"], "trainable_params": parameters["tiny-flux"],
                      "frozen_params": 0, "image_tokens": 48 * 48, "text_tokens": 512, "reference_tokens": 0,
                      "facts_source": "traced", "calibration": None}

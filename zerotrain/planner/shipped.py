@@ -8,13 +8,17 @@ are skipped. Regenerate them (half a minute to two minutes per model, on the met
     zerotrain regenerate [MODEL ...]    (then the presets too; or python -m zerotrain.planner.shipped [MODEL ...])
 
 after changing the tracer (FACTS_VERSION), a family's conditioning or LoRA targets, or a catalog
-config; tests/unit/test_shipped_facts.py checks that nothing is missing and traces a sample again."""
+config, or after a diffusers that changes a denoiser class's arguments (each file records their defaults,
+see class_defaults); tests/unit/test_shipped_facts.py checks that nothing is missing, traces a sample again
+and compares the recorded defaults with the installed diffusers'."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from importlib.metadata import version
+from typing import Any
 
 from zerotrain import families
 from zerotrain.config.sections import ModelConfig, Quantization, RunConfig
@@ -49,17 +53,30 @@ def shipped_runs(name: str) -> list[RunConfig]:
     return runs
 
 
+def class_defaults(cls: type) -> dict[str, Any]:
+    """What a config.json that save_pretrained writes holds for each argument a config leaves out: the default
+    in the class's __init__ signature (register_to_config records it, ConfigMixin.extract_init_dict reads the
+    same signature; ignore_for_config arguments are never recorded), as JSON holds it (tuples become lists).
+    Arguments without a default (self, *args, **kwargs, required ones) have none to leave out."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {p.name: json.loads(json.dumps(p.default)) for p in parameters
+            if p.default is not p.empty and p.name not in cls.ignore_for_config}
+
+
 def regenerate(name: str) -> int:
-    """Trace every shipped run of one catalog model and write its file; returns the entry count."""
+    """Trace every shipped run of one catalog model and write its file, with the defaults of its denoiser class
+    that its keys were made with (planning reads them without torch, see measure.architecture); returns the
+    entry count."""
     spec = resolve_model(ModelConfig(name_or_path=name))
+    defaults = class_defaults(spec.denoiser_class())
     facts: dict[str, ModelFacts] = {}
     for run in shipped_runs(name):
         measured = measure_model(spec, run, cache=False)
-        facts[shipped_key(spec, run, measured.text_tokens)] = measured
+        facts[shipped_key(spec, run, measured.text_tokens, defaults)] = measured
         print(f"{name} {run.data.resolution} {run.training.mode.value} {run.training.quantize_base.value}: "
               f"{measured.trace_seconds:.1f} s", file=sys.stderr, flush=True)
     data = {"model": name, "measured_with": {lib: version(lib) for lib in ("torch", "diffusers", "peft")},
-            **pack_facts(facts)}
+            "defaults": {spec.class_name: defaults}, **pack_facts(facts)}
     SHIPPED_DIR.mkdir(exist_ok=True)
     (SHIPPED_DIR / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return len(facts)
