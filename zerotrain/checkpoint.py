@@ -60,24 +60,44 @@ def tag_for(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def rng_state(generators: dict[str, torch.Generator]) -> dict[str, Any]:
-    """Every generator's state as tensors and plain numbers (so it loads with weights_only=True)."""
+def device_generator() -> torch.Generator | None:
+    """The default generator of this rank's own accelerator device (CUDA: the current device, which the engine
+    set from LOCAL_RANK), whose draws dropout and other device-side randomness take; None where the accelerator
+    is the CPU, whose draws take torch's generator, saved beside. One device's, not every visible GPU's: a run
+    resumed on fewer GPUs per node, or with one GPU per task, has no state to give the others."""
+    if accelerator()[0] != "cuda":
+        return None
+    torch.cuda.init()
+    return torch.cuda.default_generators[torch.cuda.current_device()]
+
+
+def rng_state(generators: dict[str, torch.Generator], device: torch.Generator | None = None) -> dict[str, Any]:
+    """Every generator's state as tensors and plain numbers (so it loads with weights_only=True): Python's,
+    NumPy's, torch's, the run's own `generators`, and this rank's device's (`device`, device_generator())."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
                                                     cached),
              "torch": torch.get_rng_state(), "generators": {name: g.get_state() for name, g in generators.items()}}
-    if accelerator()[0] == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None:
+        state["device"] = device.get_state()
     return state
 
 
-def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
+def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator],
+                device: torch.Generator | None = None) -> None:
+    """rng_state's generators set back; `device` (device_generator()) from the rank's device state. A checkpoint
+    of zerotrain before 2026-12-07 holds every visible GPU's ("cuda", in device order): the rank takes its own
+    device's, where that run had as many."""
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and accelerator()[0] == "cuda":
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("device")
+    if saved is None and device is not None and "cuda" in state:
+        index = torch.cuda.current_device()  # the device device_generator() gave
+        saved = state["cuda"][index] if index < len(state["cuda"]) else None
+    if device is not None and saved is not None:
+        device.set_state(saved)
     for name, g in generators.items():
         g.set_state(state["generators"][name])
 
@@ -174,7 +194,7 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
             if inject_failure and topo.is_main:
                 raise OSError(errno.ENOSPC, "No space left on device (injected by faults.inject_save_failure_at)",
                               str(folder / f"rng-{topo.rank}.pt"))
-            torch.save(rng_state(generators), folder / f"rng-{topo.rank}.pt")
+            torch.save(rng_state(generators, device_generator()), folder / f"rng-{topo.rank}.pt")
             if extra is not None:
                 extra(folder)
         except (OSError, RuntimeError) as err:
@@ -430,7 +450,7 @@ def load(engine: Any, checkpoint: Path, topo: Topology, generators: dict[str, to
                              "was it saved by a run of another model or training mode?")
     rng_file = checkpoint / f"rng-{topo.rank}.pt"
     if rng_file.is_file():
-        restore_rng(torch.load(rng_file, weights_only=True), generators)
+        restore_rng(torch.load(rng_file, weights_only=True), generators, device_generator())
     return json.loads((checkpoint / STATE).read_text())
 
 

@@ -116,6 +116,61 @@ def test_rng_state_loads_with_weights_only_and_restores_every_generator(tmp_path
             torch.rand(1, generator=generator).item()) == expected
 
 
+def visible_gpus(monkeypatch, count: int, current: int) -> tuple[torch.Generator, ...]:
+    """CUDA's generator API stood in for where CUDA is absent (this CPU build): `count` visible GPUs, each a
+    generator of its own, the rank's device `current`; setting every state past the visible ones raises
+    IndexError, as torch.cuda.set_rng_state_all does (it indexes torch.cuda.default_generators)."""
+    import zerotrain.checkpoint as checkpoint
+
+    gpus = tuple(torch.Generator().manual_seed(100 + i) for i in range(count))
+
+    def set_all(states):
+        for index, state in enumerate(states):
+            gpus[index].set_state(state)
+
+    monkeypatch.setattr(checkpoint, "accelerator", lambda: ("cuda", "nccl"))
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "default_generators", gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [g.get_state() for g in gpus])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+    return gpus
+
+
+def draw(generator: torch.Generator) -> float:
+    return torch.rand(1, generator=generator).item()
+
+
+def test_a_resume_on_fewer_gpus_restores_the_ranks_own_device_generator(tmp_path, monkeypatch):
+    """Rank 3 of a node with 8 visible GPUs saves, and resumes on a node with 4: it gets back its own device's
+    draws (every visible GPU's states, saved before, raised IndexError on 4)."""
+    from zerotrain.checkpoint import device_generator
+
+    saved_on = visible_gpus(monkeypatch, 8, current=3)
+    torch.save(rng_state({}, device_generator()), tmp_path / "rng-3.pt")
+    expected = draw(saved_on[3])
+    resumed_on = visible_gpus(monkeypatch, 4, current=3)
+    restore_rng(torch.load(tmp_path / "rng-3.pt", weights_only=True), {}, device_generator())
+    assert draw(resumed_on[3]) == expected
+    assert [draw(g) for g in resumed_on[:3]] == [draw(torch.Generator().manual_seed(100 + i)) for i in range(3)]
+
+
+def test_a_checkpoint_with_every_visible_gpus_state_resumes_on_fewer(tmp_path, monkeypatch):
+    """A checkpoint zerotrain wrote before (its "cuda": 8 GPUs' states) resumed with 4 visible: the rank takes its
+    device's state from the list; one whose device the old run did not have keeps its fresh state."""
+    from zerotrain.checkpoint import device_generator
+
+    old = [torch.Generator().manual_seed(200 + i) for i in range(2)]
+    state = {**rng_state({}), "cuda": [g.get_state() for g in old]}
+    expected = draw(old[1])
+    gpus = visible_gpus(monkeypatch, 4, current=1)
+    restore_rng(state, {}, device_generator())
+    assert draw(gpus[1]) == expected
+    fresh = visible_gpus(monkeypatch, 4, current=3)
+    restore_rng(state, {}, device_generator())
+    assert draw(fresh[3]) == draw(torch.Generator().manual_seed(103))
+
+
 def test_a_resume_keeps_the_zero_stage_it_was_saved_under(tmp_path):
     from pathlib import Path
 
