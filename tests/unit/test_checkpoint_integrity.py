@@ -120,7 +120,7 @@ def visible_gpus(monkeypatch, count: int, current: int) -> tuple[torch.Generator
     """CUDA's generator API stood in for where CUDA is absent (this CPU build): `count` visible GPUs, each a
     generator of its own, the rank's device `current`; setting every state past the visible ones raises
     IndexError, as torch.cuda.set_rng_state_all does (it indexes torch.cuda.default_generators)."""
-    import zerotrain.checkpoint as checkpoint
+    from zerotrain import checkpoint
 
     gpus = tuple(torch.Generator().manual_seed(100 + i) for i in range(count))
 
