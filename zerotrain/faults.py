@@ -1,11 +1,15 @@
 """Surviving what stops long runs: preemption signals, non-finite steps, out-of-memory errors.
 
-- SIGTERM and SIGUSR1 (Slurm preemption with --signal, a scheduler's or the user's stop) only set
-  a flag. The loop reads it, with every rank agreeing, at the end of each optimizer step (in the
+- SIGTERM, SIGUSR1 and SIGINT (Slurm preemption with --signal, a scheduler's or the user's stop,
+  Ctrl-C) only set a flag. The loop reads it, with every rank agreeing, at the end of each optimizer step (in the
   step's one collective, with the mean loss): the step in progress is finished, every rank writes
   a checkpoint of it, and the run exits 0, saying how to resume. A watchdog started by the signal
   ends the process if all that takes longer than faults.grace_seconds, leaving the previous
-  complete checkpoint as the latest.
+  complete checkpoint as the latest. Launchers signal every process of the job: Slurm the whole
+  job step, torchrun and a terminal's Ctrl-C the process group, so the DataLoader workers get the
+  signal too. They ignore it (ignore_stop_signals, each worker's init): a worker that died of it
+  would fail the rank's step before its checkpoint; the rank ends them when it exits. A signal
+  after the first (torchrun passes on the one its agent got) changes nothing.
 - A non-finite loss on any rank makes the reduced gradients of every rank non-finite, so
   DeepSpeed's bf16 overflow check (check_grad_overflow, on by default and required by zerotrain)
   skips the optimizer step on all ranks together; non-finite gradients with a finite loss are
@@ -28,11 +32,18 @@ from typing import Any
 
 from zerotrain.units import gib
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """A DataLoader worker's init (worker_init_fn): the stop signals, which a launcher sends to every process of
+    the job, are the rank's to act on; the worker goes on serving batches until the rank shuts it down."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class StopSignal:
-    """Turns SIGTERM/SIGUSR1 into a flag, with a watchdog that enforces the grace period."""
+    """Turns SIGTERM/SIGUSR1/SIGINT into a flag, with a watchdog that enforces the grace period."""
 
     def __init__(self, grace_seconds: float):
         self.grace_seconds = grace_seconds
@@ -44,7 +55,7 @@ class StopSignal:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
-        if self.received is not None:
+        if self.received is not None:  # a launcher passes on what the job got already (torchrun: its SIGINT)
             return
         self.received = signal.Signals(signum).name
         self._watchdog = threading.Timer(self.grace_seconds, self._expire)

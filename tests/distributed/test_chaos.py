@@ -2,7 +2,8 @@
 
 - repeated preemption: five SIGTERM-and-resume cycles at random steps at ZeRO-3 give per-step
   losses bit-identical to the uninterrupted run (the last checkpoint is then damaged by one flipped
-  byte: the resume names the file and falls back to the one before);
+  byte: the resume names the file and falls back to the one before); the signal goes to the rank
+  processes here, and to the whole process group, DataLoader workers included, in test_preemption.py;
 - kill -9 of one rank mid-step: the other rank names it and exits non-zero within a bounded time,
   never hangs; rerunning the same command resumes from the last complete checkpoint;
 - kill -9 of every rank during a checkpoint write (before the model files, half-way through an

@@ -25,6 +25,7 @@ from zerotrain.data.dataset import Discovery, Verdict, discover, enforce, epoch_
 from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
 from zerotrain.distributed import Topology, barrier, gather_objects
 from zerotrain.errors import ZerotrainError
+from zerotrain.faults import ignore_stop_signals
 from zerotrain.models.catalog import check_trainable
 from zerotrain.protocols import ModelSpec
 
@@ -121,5 +122,6 @@ def make_loader(prepared: Prepared, run: RunConfig, micro_batch: int, topo: Topo
     workers = run.data.num_workers
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-        prefetch_factor=2 if workers else None, persistent_workers=bool(workers))
+        prefetch_factor=2 if workers else None, persistent_workers=bool(workers),
+        worker_init_fn=ignore_stop_signals if workers else None)
     return loader, sampler
