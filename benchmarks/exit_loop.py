@@ -37,7 +37,7 @@ def main() -> int:
         work = Path(tmp)
         ensure_tiny_pipeline("tiny-flux", work / "cache" / "models")
         base = [*tiny_data(work / "cache"), "planner.stages=[2]", "planner.offload=[none]", "training.mode=full",
-                f"training.max_steps={args.steps}", "training.checkpoint_every=1000", "faults.inject_nan_at=[3]"]
+                f"training.max_steps={args.steps}", "training.checkpoint_every=1000", "testing.nan_at=[3]"]
         runs = []
         for i in range(args.runs):
             result = run_train(work / f"run{i}", base, work / "logs", f"run{i}")

@@ -114,7 +114,7 @@ class _GuardedWrites:
     raised: a rank that raised inside engine.save_checkpoint would leave the others waiting in its
     collectives (its barriers, ZeRO-3's gathers), so every rank goes through the whole save and the
     failure is agreed on afterwards. Later writes after a failure are skipped. `kill` (tests:
-    faults.inject_kill) ends the process with SIGKILL at that point of the write."""
+    testing.kill) ends the process with SIGKILL at that point of the write."""
 
     def __init__(self, inner: Any, kill: str | None):
         self.inner = inner
@@ -171,8 +171,8 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
     written, checksum the files, then rank 0 writes zerotrain_state.json and moves `latest`. If any
     rank fails (a full disk, an I/O error), the partial folder is removed, `latest` keeps naming the
     previous checkpoint, and every rank raises one ZerotrainError. inject_failure
-    (faults.inject_save_failure_at, for tests) makes rank 0 fail after DeepSpeed has written its
-    files; kill (faults.inject_kill) SIGKILLs this process at that point of the write.
+    (testing.save_failure_at, for tests) makes rank 0 fail after DeepSpeed has written its
+    files; kill (testing.kill) SIGKILLs this process at that point of the write.
     extra(folder) writes this rank's further files (the EMA) into the checkpoint, inside the same
     agreement."""
     from deepspeed.checkpoint.constants import (
@@ -192,7 +192,7 @@ def save(engine: Any, run_dir: Path, step: int, topo: Topology, state: dict[str,
     if error is None:
         try:
             if inject_failure and topo.is_main:
-                raise OSError(errno.ENOSPC, "No space left on device (injected by faults.inject_save_failure_at)",
+                raise OSError(errno.ENOSPC, "No space left on device (injected by testing.save_failure_at)",
                               str(folder / f"rng-{topo.rank}.pt"))
             torch.save(rng_state(generators, device_generator()), folder / f"rng-{topo.rank}.pt")
             if extra is not None:

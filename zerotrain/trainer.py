@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from zerotrain import families
-from zerotrain.config.sections import FaultsConfig, RunConfig
+from zerotrain.config.sections import FaultInjection, RunConfig
 from zerotrain.distributed import Topology
 from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.faults import StopSignal, oom_advice
@@ -99,11 +99,11 @@ class DataFeed:
     """The run's micro-batches: the loader's batches (a new epoch at an epoch's end, which falls on
     a step boundary, data/sampler.py), noised by the objective with this rank's generator. A step
     dropped after running out of memory runs again on the same batches and noise (begin, rewind).
-    The faults config's injections act here: a CUDA out-of-memory error before the forward of a
+    The tests' fault injections (RunConfig.testing) act here: a CUDA out-of-memory error before the forward of a
     step's last micro-batch (once per step), a non-finite loss on rank 0 (tests)."""
 
     def __init__(self, loader: Any, sampler: Any, objective: Any, generator: torch.Generator, device: torch.device,
-                 faults: FaultsConfig, is_main: bool, accumulation: int = 1):
+                 faults: FaultInjection, is_main: bool, accumulation: int = 1):
         self.loader, self.sampler, self.objective = loader, sampler, objective
         self.generator, self.device, self.faults, self.is_main = generator, device, faults, is_main
         self.accumulation = accumulation
@@ -140,11 +140,11 @@ class DataFeed:
         batch = self.next_batch()
         self.taken.append(batch)
         inputs = self.objective.prepare(batch, self.generator)
-        if self.step in self.faults.inject_oom_at and self.step not in self.injected \
+        if self.step in self.faults.oom_at and self.step not in self.injected \
                 and index == self.accumulation - 1:  # every rank, as a failed CUDA allocation would
             self.injected.add(self.step)
-            raise torch.OutOfMemoryError(f"CUDA out of memory (faults.inject_oom_at, step {self.step})")
-        poison = self.step in self.faults.inject_nan_at and self.is_main and index == 0
+            raise torch.OutOfMemoryError(f"CUDA out of memory (testing.oom_at, step {self.step})")
+        poison = self.step in self.faults.nan_at and self.is_main and index == 0
         return to_device(inputs.model_kwargs, self.device), _Loss(self.objective, inputs, self.device, poison)
 
 
@@ -203,12 +203,12 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         from zerotrain.checkpoint import save
 
-        faults = self.run.faults
+        faults = self.run.testing
         state = {**self.components["counter"].state_dict(),
                  **{name: c.state_dict() for name, c in self.components.items() if name != "counter"}}
-        kill = faults.inject_kill.point if faults.inject_kill and faults.inject_kill.step == step else None
+        kill = faults.kill.point if faults.kill and faults.kill.step == step else None
         return save(self.engine, self.run.output_dir, step, self.topo, state, self.generators,
-                    self.run.training.keep_checkpoints, inject_failure=step in faults.inject_save_failure_at,
+                    self.run.training.keep_checkpoints, inject_failure=step in faults.save_failure_at,
                     extra=None if self.ema is None else self._save_ema, kill=kill)
 
     def _save_ema(self, folder: Path) -> None:
@@ -424,7 +424,7 @@ def build_trainer(planned: RunPlan, folder: Path, topo: Topology, device: torch.
     counter = Counter(run.training.global_batch_size)
     checkpointer = Checkpointer(engine, run, topo, {"objective": generator}, {"counter": counter, "sampler": sampler},
                                 ema)
-    feed = DataFeed(loader, sampler, objective, generator, device, run.faults, topo.is_main, layout.accumulation)
+    feed = DataFeed(loader, sampler, objective, generator, device, run.testing, topo.is_main, layout.accumulation)
     return Trainer(engine, run, topo, device, feed, counter, checkpointer, StopSignal(run.faults.grace_seconds),
                    ema=ema)
 

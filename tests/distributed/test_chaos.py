@@ -143,7 +143,7 @@ def test_kill9_of_every_rank_during_checkpoint_writes(chaos, straight):
     checkpoints = chaos.tmp_path / "kill-all" / "checkpoints"
     for step, point, survivor in ((4, "before_model", "step-00000002"), (4, "optimizer", "step-00000002"),
                                   (6, "before_latest", "step-00000004")):
-        killed = chaos("kill-all", *overrides, f"faults.inject_kill={{step: {step}, point: {point}}}")
+        killed = chaos("kill-all", *overrides, f"testing.kill={{step: {step}, point: {point}}}")
         assert -signal.SIGKILL in killed.returncodes and 0 not in killed.returncodes, killed.tails()
         assert latest(killed.output_dir) == survivor, point
         assert_intact(killed.output_dir)

@@ -36,7 +36,7 @@ def test_a_nan_step_is_skipped_on_every_rank_and_metrics_read_back(train):
     import math
 
     result = train("nan", *COMMON, "training.max_steps=5", "training.checkpoint_every=1000",
-                   "faults.inject_nan_at=[3]").check()
+                   "testing.nan_at=[3]").check()
     records = result.metrics()
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["skipped"] for r in records] == [False, False, True, False, False]
@@ -66,7 +66,7 @@ def test_a_nan_step_is_skipped_on_every_rank_and_metrics_read_back(train):
 
 def test_consecutive_nan_steps_stop_with_a_checkpoint(train):
     result = train("nans", *COMMON, "training.max_steps=10", "training.checkpoint_every=1000",
-                   "faults.inject_nan_at=[2,3,4]", "faults.max_bad_steps=3")
+                   "testing.nan_at=[2,3,4]", "faults.max_bad_steps=3")
     assert result.returncodes == [2] * WORLD, result.tails()
     checkpoints = result.output_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step-00000004"
@@ -79,7 +79,7 @@ def test_consecutive_nan_steps_stop_with_a_checkpoint(train):
 
 def test_a_failed_checkpoint_write_keeps_the_previous_one(train):
     result = train("disk", *COMMON, "training.max_steps=6", "training.checkpoint_every=2",
-                   "faults.inject_save_failure_at=[4]")
+                   "testing.save_failure_at=[4]")
     assert result.returncodes == [2] * WORLD, result.tails()
     checkpoints = result.output_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step-00000002"

@@ -66,7 +66,7 @@ def test_a_gpu_run_logs_peak_memory_and_mfu(shared_cache, tmp_path):
 
 
 def test_an_out_of_memory_step_is_recovered_on_cuda(shared_cache, tmp_path):
-    done = train_on_gpu(shared_cache, tmp_path, "faults.inject_oom_at=[2]", "training.gradient_checkpointing=auto")
+    done = train_on_gpu(shared_cache, tmp_path, "testing.oom_at=[2]", "training.gradient_checkpointing=auto")
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"step 2 ran out of memory with .*\d+\.\d GiB allocated when it failed\): dropped on every "
                      r"rank, and run again with .*checkpointing", done.stderr), done.stderr[-3000:]
@@ -75,7 +75,7 @@ def test_an_out_of_memory_step_is_recovered_on_cuda(shared_cache, tmp_path):
 
 
 def test_the_oom_handler_reports_the_measured_peak(shared_cache, tmp_path):
-    done = train_on_gpu(shared_cache, tmp_path, "faults.inject_oom_at=[2]", "faults.oom_recovery_steps=0")
+    done = train_on_gpu(shared_cache, tmp_path, "testing.oom_at=[2]", "faults.oom_recovery_steps=0")
     assert done.returncode == 2, done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
     assert re.search(r"CUDA out of memory at step 2 with ZeRO-\d.*the peak measured on this rank was "

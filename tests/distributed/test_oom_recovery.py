@@ -7,7 +7,7 @@
    then equals the run that never failed, bit for bit. Without abandon_step the retried step
    accumulates the failed attempt's gradients (or DeepSpeed stops on a parameter "already
    reduced"), and the losses differ.
-2. train.py: an out-of-memory error injected in step 2 (faults.inject_oom_at; before the forward
+2. train.py: an out-of-memory error injected in step 2 (testing.oom_at; before the forward
    of the step's second micro-batch, every rank) is recovered: the run goes on with more blocks
    checkpointed on every rank, says so in one line, writes the move to plan.json and memory.json,
    and its per-step losses equal those of a run started with that many blocks (the dropped step
@@ -54,7 +54,7 @@ def test_training_recovers_from_running_out_of_memory_and_resumes_with_the_new_l
     common = ("planner.stages=[2]", "planner.offload=[none]", "training.mode=full", "training.micro_batch_size=1",
               "training.global_batch_size=4", "training.checkpoint_every=1", "training.resume=auto",
               "logging.memory_check_step=1")
-    recovered = train("recovered", *common, "training.max_steps=3", "faults.inject_oom_at=[2]").check()
+    recovered = train("recovered", *common, "training.max_steps=3", "testing.oom_at=[2]").check()
     plan = json.loads((recovered.output_dir / "plan.json").read_text())
     assert plan["chosen"]["layout"]["gradient_checkpointing"] is False, "the test needs a plan without checkpointing"
     [move] = plan["adjusted"]

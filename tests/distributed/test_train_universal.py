@@ -8,7 +8,7 @@
    cross between ZeRO 0-2 and ZeRO-3 either way, so a resume keeps the saved stage, see
    checkpoint.resume_stage.)
 2. The training script: train.py on `before` ranks stops at step 3 with a CUDA out-of-memory
-   error (injected: faults.inject_oom_at, past faults.oom_recovery_steps), which leaves its step-2 checkpoint as the latest; it
+   error (injected: testing.oom_at, past faults.oom_recovery_steps), which leaves its step-2 checkpoint as the latest; it
    continues on `after` ranks to step 4. It converts once, says so, and continues the global
    step, epoch, images and learning rate where the uninterrupted run (on `before` ranks) has
    them, with the same losses up to the resume. After it, the losses cannot equal the
@@ -93,7 +93,7 @@ def test_training_continues_on_another_world_size(train, stage, before, after):
         ["step-00000003", "step-00000004"], "only the newest training.keep_checkpoints=2 may remain"
     assert (a.output_dir / "checkpoints" / "latest").read_text().strip() == "step-00000004"
 
-    stopped = train("B", *common, "faults.inject_oom_at=[3]", "faults.oom_recovery_steps=0", world=before)
+    stopped = train("B", *common, "testing.oom_at=[3]", "faults.oom_recovery_steps=0", world=before)
     checkpoint = stopped.output_dir / "checkpoints" / "step-00000002"
     assert stopped.returncodes == [2] * before, stopped.tails()
     errors = [line for line in stopped.log.splitlines() if line.startswith("zerotrain: error:")]

@@ -99,3 +99,17 @@ def test_training_config_mistakes_name_the_field(tmp_path):
     with pytest.raises(ZerotrainError, match=r"quantize_base=qint8 needs mode=lora"):
         load_config(None, ["training.mode=full", "training.quantize_base=qint8"])
     assert load_config(None, ["training.mode=lora", "training.lora.rank=8"]).training.lora.rank == 8
+
+
+def test_the_tests_fault_injection_is_a_section_of_its_own_left_out_of_the_reference():
+    """Issue 48 §9: the hooks zerotrain's tests make faults with are no setting of the user's: they live in
+    `testing:`, which docs/configuration.md's generated reference leaves out, and not among faults:."""
+    from zerotrain.config import load_config
+    from zerotrain.config.reference import reference
+    from zerotrain.config.sections import FaultsConfig
+
+    run = load_config(None, ["testing.oom_at=[2]", "testing.kill={step: 4, point: optimizer}"])
+    assert run.testing.oom_at == [2] and run.testing.kill.point == "optimizer"
+    assert not [name for name in FaultsConfig.model_fields if "inject" in name]
+    assert "`testing." not in reference() and "inject" not in reference()
+    assert "`faults.grace_seconds`" in reference()

@@ -31,6 +31,11 @@ def _default(field) -> str:
     return f"`{json.dumps(value, default=str)}`"
 
 
+def _in_reference(field) -> bool:
+    """Whether a section belongs in the user's reference (the tests' fault injection does not)."""
+    return (field.json_schema_extra or {}).get("reference", True)
+
+
 def reference() -> str:
     lines = []
     top = RunConfig.model_fields
@@ -42,7 +47,7 @@ def reference() -> str:
         lines.append(f"| `{name}` | {_default(field)} | {' '.join((field.description or '').split())} |")
     for section, field in top.items():
         model = field.annotation
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or not _in_reference(field):
             continue
         lines += ["", f"**`{section}:`** {' '.join((field.description or '').split())}", "",
                   "| field | default | meaning |", "| --- | --- | --- |"]

@@ -586,14 +586,6 @@ class FaultsConfig(_Section):
     max_bad_steps: int = Field(3, ge=1)
     """Consecutive steps with a NaN or inf loss or gradient norm after which the run stops (with a
     checkpoint); fewer are skipped and counted."""
-    inject_nan_at: list[int] = []
-    """For tests: optimizer steps whose loss is made NaN on rank 0 (exercises the bad-step path)."""
-    inject_save_failure_at: list[int] = []
-    """For tests: steps whose checkpoint fails to write on rank 0, as with a full disk."""
-    inject_oom_at: list[int] = []
-    """For tests: optimizer steps whose last micro-batch raises torch.OutOfMemoryError before its
-    forward on every rank (after the earlier micro-batches' backward), once each, as CUDA does when
-    an allocation fails (exercises the recovery and the out-of-memory message)."""
     oom_recovery_steps: int = Field(10, ge=0)
     """An out-of-memory error in the forward or backward of the first this many steps of a run (or
     of a resume) is recovered: every rank drops the step (no update, nothing counted), and the step
@@ -612,9 +604,22 @@ class FaultsConfig(_Section):
     """A rank whose heartbeat (a counter every rank's background thread advances each second in the
     rendezvous store) has not moved for this long is lost: every other rank names it and stops,
     also when it is blocked in a collective that would otherwise wait for the timeout."""
-    inject_kill: KillPoint | None = None
-    """For tests: SIGKILL every rank at a point of one checkpoint write, e.g.
-    `{step: 4, point: optimizer}` (points: before_model, optimizer, before_latest)."""
+
+
+class FaultInjection(_Section):
+    """Faults zerotrain's own tests make (the `testing:` section, left out of the configuration reference)."""
+
+    nan_at: list[int] = []
+    """Optimizer steps whose loss is made NaN on rank 0 (exercises the bad-step path)."""
+    save_failure_at: list[int] = []
+    """Steps whose checkpoint fails to write on rank 0, as with a full disk."""
+    oom_at: list[int] = []
+    """Optimizer steps whose last micro-batch raises torch.OutOfMemoryError before its forward on every
+    rank (after the earlier micro-batches' backward), once each, as CUDA does when an allocation fails
+    (exercises the recovery and the out-of-memory message)."""
+    kill: KillPoint | None = None
+    """SIGKILL every rank at a point of one checkpoint write, e.g. `{step: 4, point: optimizer}` (points:
+    before_model, optimizer, before_latest)."""
 
 
 class WandbConfig(_Section):
@@ -671,6 +676,9 @@ class RunConfig(_Section):
     """Exponential moving average of the trainable weights."""
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     """Preemption signals and bad steps."""
+    testing: FaultInjection = Field(default_factory=FaultInjection, json_schema_extra={"reference": False})
+    """Faults zerotrain's tests inject (NaN steps, failed and killed checkpoint writes, out-of-memory errors): no
+    setting of a run, and left out of docs/configuration.md."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Progress, metrics and TensorBoard."""
     deepspeed: Literal["auto"] | Path | dict = "auto"
