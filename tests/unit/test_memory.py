@@ -188,3 +188,51 @@ def test_training_sets_the_pinning_the_planner_assumes(monkeypatch, given, thres
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     allocator_settings(load_config(None, [f"planner.pinned_exact_above_mib={'null' if threshold is None else threshold}"]))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == expected
+
+
+@pytest.mark.parametrize(("stage", "world", "per_node"), [(0, 8, 8), (1, 8, 8), (2, 16, 8), (3, 16, 8)])
+def test_the_ema_is_in_the_host_ram_a_plan_counts(stage, world, per_node):
+    """Issue 48 §6: each rank keeps the EMA of the trainable elements its optimizer partition owns, in fp32 on the
+    host (all of them at ZeRO-0), so a FLUX.1 full fine-tune's node holds 4 bytes per element per share: about 48 GB
+    on one 8-GPU node, eight times that at ZeRO-0; rendering validation with the EMA holds the trained masters
+    beside it. The plan's host figure is the largest phase."""
+    import dataclasses
+
+    layout = Layout(stage, offload_optimizer="cpu" if stage else "none")
+    plain = sizes(world, per_node)
+    offload = memory.host_bytes(layout, plain)["offload"]
+    assert "training with EMA" not in memory.host_bytes(layout, plain)
+    with_ema = memory.host_bytes(layout, dataclasses.replace(plain, ema=True))
+    share = P if stage == 0 else -(-P // world)
+    assert with_ema["training with EMA"] == offload + per_node * 4 * share
+    assert "validation" not in with_ema
+    validating = memory.host_bytes(layout, dataclasses.replace(plain, ema=True, ema_validation=True))
+    assert validating["validation"] == offload + 2 * per_node * 4 * share
+    estimate = memory.estimate(layout, dataclasses.replace(plain, ema=True, ema_validation=True), Buffers(),
+                               activation_peak=0, input_bytes=0)
+    assert estimate.host_per_node == max(estimate.host_terms.values()) >= validating["validation"]
+
+
+def test_a_plan_with_the_ema_counts_it_and_refuses_a_host_it_does_not_fit(tmp_path):
+    """A FLUX.1 full fine-tune on one 8xA100-80GB node: the EMA's 44 GiB is in the chosen layout's host figure
+    (twice that with validation rendering from it), and a 48 GiB host that fits the run without the EMA fits
+    no layout with it, where the plan used to fit it."""
+    from zerotrain.config import RunConfig
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.entry import plan_for_run
+
+    def plan(host: str, **sections):
+        run = RunConfig.model_validate({"model": {"name_or_path": "flux-dev"}, "training": {"mode": "full"},
+                                        "hardware": {"gpus": "8xA100-80GB", "host_memory": host},
+                                        "planner": {"cache_dir": str(tmp_path)}, **sections})
+        return plan_for_run(run, resolve_model(run.model)).result
+
+    without, with_ema = plan("512GiB"), plan("512GiB", ema={"enabled": True})
+    assert "training with EMA" not in without.chosen.memory.host_terms
+    assert with_ema.chosen.memory.host_terms["training with EMA"] >= 4 * P
+    rendering = plan("512GiB", ema={"enabled": True}, validation={"prompts": ["a cat"], "use_ema": True}).chosen
+    assert rendering.memory.host_terms["validation"] >= 2 * 4 * P
+    assert plan("48GiB").chosen is not None
+    refused = plan("48GiB", ema={"enabled": True})
+    assert refused.chosen is None
+    assert any("host RAM per node" in (c.rejected or "") for c in refused.candidates)

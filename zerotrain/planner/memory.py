@@ -106,6 +106,12 @@ class Sizes:
     validation_host_bytes: int = 0
     """Per rank, the weights that rendering validation images loads into host memory beside the trained
     model (Family.validation_params: Ideogram 4's unconditional transformer); 0 without validation."""
+    ema: bool = False
+    """ema.enabled: every rank keeps the EMA of the trainable elements its optimizer partition owns on the host
+    (zerotrain/ema.py)."""
+    ema_validation: bool = False
+    """Validation renders with the EMA (validation.use_ema, with prompts): while it does, each rank holds its
+    trained masters on the host beside the EMA (ShardedEMA.applied)."""
 
 
 @dataclass(frozen=True)
@@ -533,15 +539,31 @@ def load_bytes(layout: Layout, s: Sizes) -> int:
 
 def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, int]:
     """Host RAM per node, by phase: loading (load_bytes), offload (the node's ranks' offload buffers,
-    each pinned allocation as torch's host allocator rounds it) and, where rendering validation images
-    loads more weights into host memory, validation (the offload's buffers stay, and every rank of the
-    node holds its own copy of those weights while it renders)."""
+    each pinned allocation as torch's host allocator rounds it), training with an EMA (the offload's
+    buffers and the node's EMA, ema_bytes) and, where rendering validation images loads more weights into
+    host memory or renders with the EMA, validation (the offload's buffers and the EMA stay; every rank of
+    the node holds its own copy of those weights while it renders, and its trained masters beside the
+    EMA it renders with)."""
     b = b or Buffers()
     offload = int(sum(host_buffers(layout, s, b).values()) * b.host_offload_factor)
+    ema = ema_bytes(layout, s)
     terms = {"model load": int(load_bytes(layout, s)), "offload": offload}
-    if s.validation_host_bytes:
-        terms["validation"] = offload + s.gpus_per_node * s.validation_host_bytes
+    if ema:
+        terms["training with EMA"] = offload + ema
+    if s.validation_host_bytes or s.ema_validation:
+        terms["validation"] = offload + ema * (2 if s.ema_validation else 1) + s.gpus_per_node * s.validation_host_bytes
     return terms
+
+
+def ema_bytes(layout: Layout, s: Sizes) -> int:
+    """Host bytes per node of the EMA (zerotrain/ema.py): each rank keeps in fp32 the trainable elements its
+    optimizer partition owns (at ZeRO-0, whose optimizer is every rank's whole, all of them), so a node holds
+    4 bytes per trainable element for each of its ranks' shares: for a FLUX.1 full fine-tune on 8 GPUs of one
+    node about 48 GB, at ZeRO-0 eight times that. 0 without ema.enabled."""
+    if not s.ema:
+        return 0
+    owned = s.trainable_params if layout.stage == 0 else -(-s.trainable_params // s.world_size)
+    return s.gpus_per_node * FP32 * owned
 
 
 def host_buffers(layout: Layout, s: Sizes, b: Buffers) -> dict[str, int]:

@@ -132,6 +132,7 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         offload_activation_bytes=tuple(facts.offload_input_bytes),
         load_whole=run.model.load is Loading.whole or run.training.lora.use_dora,
         validation_host_bytes=validation_host_bytes(facts, run),
+        ema=run.ema.enabled, ema_validation=run.ema.enabled and run.validation.use_ema and bool(run.validation.prompts),
     )
 
 
