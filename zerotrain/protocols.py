@@ -396,6 +396,12 @@ class References(Protocol):
         model."""
         ...
 
+    def min_references(self, spec: ModelSpec) -> int:
+        """How many reference images this model's pipeline always takes: 1 for an edit pipeline (FLUX.1 Kontext,
+        Qwen-Image-Edit), which a plan then counts unless told otherwise; 0 where references are optional
+        (FLUX.2, FLUX.3 [klein]) or none."""
+        ...
+
     def no_references(self, spec: ModelSpec) -> str:
         """Why a model with max_references 0 takes none, for the one line that stops a run with controls:
         "takes no reference images" (a text-to-image model) by default."""

@@ -193,3 +193,27 @@ def test_a_library_error_is_still_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code in (2, 3)
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("model", "args", "references", "why"), [
+    ("qwen-image-edit-2511", [], 1, "QwenImageEditPlusPipeline always takes one"),
+    ("flux-kontext-dev", [], 1, "FluxKontextPipeline always takes one"),
+    ("qwen-image-edit-2511", ["--references", "0"], 0, None),
+    ("qwen-image-edit-2511", ["--references", "1"], 1, "data.references (--references)"),
+    ("flux2-dev", [], 0, None),
+])
+def test_an_edit_model_plans_with_the_reference_its_pipeline_always_takes(model, args, references, why, capsys):
+    """Issue 48 §8: an edit pipeline always takes a reference, so a dry run without --references plans an edit
+    sample (the image tokens twice, about twice the activations), from the shipped facts, and says so; --references
+    0 plans text to image; FLUX.2, whose references are optional, plans none unless told."""
+    assert main(["plan", "--model", model, "--gpus", "8xH100-80GB", "--mode", "lora", "--json", *args]) in (0, 1)
+    document = json.loads(capsys.readouterr().out)
+    model_facts, reasons = document["model"], document["plan"]["reasons"]
+    assert model_facts["facts_source"] == "shipped" or args  # the default plans are shipped
+    assert model_facts["reference_tokens"] == references * model_facts["image_tokens"]
+    lines = [line for line in reasons if "reference image" in line]
+    if why is None:
+        assert lines == []
+    else:
+        (line,) = lines
+        assert line.startswith(f"{references} reference image") and why in line, line

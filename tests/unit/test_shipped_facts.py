@@ -23,6 +23,7 @@ from zerotrain.models.catalog import catalog_names, resolve_model
 from zerotrain.planner import trace
 from zerotrain.planner.facts import pack_facts, unpack_facts
 from zerotrain.planner.measure import SHIPPED_DIR, facts_key, measure_model, shipped_facts
+from zerotrain.planner.references import plan_references
 from zerotrain.planner.shipped import class_defaults, shipped_models, shipped_runs
 
 # What should be shipped, as docs/how-the-planner-works.md promises it: every catalog model but the tiny test ones, at
@@ -73,7 +74,8 @@ def test_every_catalog_model_resolution_and_mode_is_shipped(tmp_path, monkeypatc
                 assert (facts.model, facts.resolution, facts.mode, facts.quantize) == \
                     (name, resolution, training["mode"], training.get("quantize_base", "none"))
                 assert facts.lora_rank == (run.training.lora.rank if training["mode"] == "lora" else None)
-                assert facts.text_tokens == families.of(spec).default_text_tokens
+                rows = families.of(spec).reference_text_rows(spec, plan_references(spec, run))  # an edit's images
+                assert facts.text_tokens == families.of(spec).default_text_tokens + rows
     assert not list(tmp_path.iterdir()), "shipped facts are not copied into the user cache"
     shipped = sum(len(json.loads(path.read_text())["facts"]) for path in SHIPPED_DIR.glob("*.json"))
     assert shipped == expected > 0, "facts shipped for runs nobody asks for"
@@ -107,6 +109,10 @@ def test_a_save_pretrained_config_plans_every_shipped_run_from_the_shipped_facts
     monkeypatch.setattr(trace, "measure", no_tracing)
     path = saved_config(name, tmp_path / "fine-tune" / "transformer")
     catalog = resolve_model(ModelConfig(name_or_path=name))
+    if catalog.pipeline_class:  # an edit model's fine-tune is its folder: the index names the edit pipeline
+        (tmp_path / "fine-tune" / "model_index.json").write_text(json.dumps(
+            {"_class_name": catalog.pipeline_class, "transformer": ["diffusers", catalog.class_name]}))
+        path = tmp_path / "fine-tune"
     spec = resolve_model(ModelConfig(name_or_path=str(path)))
     assert spec.config.keys() >= {*catalog.config, *class_defaults(spec.denoiser_class())}
     for run in shipped_runs(name):

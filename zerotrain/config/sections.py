@@ -295,7 +295,8 @@ class DataConfig(_Section):
     references: int | None = Field(None, ge=0, le=16)
     """Edit training: reference images per sample, for `zerotrain plan` before any data is read
     (--references on the command line). The planner plans for the datasets' controls where they are
-    more."""
+    more; unset, for at least the one an edit pipeline always takes (FLUX.1 Kontext, Qwen-Image-Edit;
+    0 plans such a model for text to image)."""
     mask: Literal["file", "alpha", "none"] = "file"
     """Masked loss. file: an image with a mask beside it (photo.mask.png for photo.jpg, or a manifest
     line's "mask") weights its loss per latent pixel by the mask's gray level (white 1, black 0);

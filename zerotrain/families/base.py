@@ -118,6 +118,9 @@ class BaseFamily(Declared):
     def max_references(self, spec: ModelSpec) -> int:
         return 0
 
+    def min_references(self, spec: ModelSpec) -> int:
+        return 0
+
     def reference_text_rows(self, spec: ModelSpec, references: list[tuple[int, int]]) -> int:
         return 0
 

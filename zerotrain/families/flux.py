@@ -38,6 +38,10 @@ class Flux(Flux1):
         """FluxKontextPipeline takes one image."""
         return 1 if self.pipeline_name(spec) == KONTEXT_PIPELINE else 0
 
+    def min_references(self, spec: ModelSpec) -> int:
+        """Kontext is an edit model: trained and used with its one image."""
+        return self.max_references(spec)
+
     def reference_size(self, spec: ModelSpec, target: tuple[int, int], control: tuple[int, int],
                        area: int | None) -> tuple[int, int]:
         """The target's size, as Kontext edits are trained and rendered (the pipeline's output takes its

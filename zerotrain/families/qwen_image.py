@@ -119,6 +119,10 @@ class QwenImage(BaseFamily):
     def max_references(self, spec: ModelSpec) -> int:
         return EDIT_PIPELINES.get(self.pipeline_name(spec), 0)
 
+    def min_references(self, spec: ModelSpec) -> int:
+        """The edit pipelines take at least one image."""
+        return min(1, self.max_references(spec))
+
     def reference_text_rows(self, spec: ModelSpec, references: list[tuple[int, int]]) -> int:
         """The references' rows beside the caption's, as the processor resizes them: the torch side counts them
         (image_text_rows, by transformers' smart_resize), so a plan with references imports it; none without."""

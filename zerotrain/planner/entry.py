@@ -24,6 +24,7 @@ from zerotrain.planner.deepspeed_json import complete_given, deepspeed_config, g
 from zerotrain.planner.facts import ModelFacts
 from zerotrain.planner.measure import measure_model
 from zerotrain.planner.memory import Layout
+from zerotrain.planner.references import references_reason
 from zerotrain.planner.search import Candidate, Plan, describe, evaluate, plan
 from zerotrain.protocols import ModelSpec
 from zerotrain.units import gib
@@ -83,6 +84,9 @@ def plan_for_run(run: RunConfig, spec: ModelSpec, world_size: int | None = None,
     result = plan(facts, hw, run, margin_from)
     if calibrated:
         result.reasons.insert(3, calibrated)
+    referenced = references_reason(spec, run)
+    if referenced:
+        result.reasons.insert(2, referenced)
     if given is None:
         config = deepspeed_config(result.chosen.layout, run, hw.world_size) if result.chosen else None
         layout = result.chosen.layout if result.chosen else None

@@ -21,16 +21,18 @@ LARGEST_CONTROL = 8192
 
 def plan_references(spec: ModelSpec, run: RunConfig) -> list[tuple[int, int]]:
     """The (width, height) in pixels of each reference image the planner traces: data.references of
-    them, or as many as the datasets' controls where those are more; each the size the family's pipeline
-    gives the largest square control (LARGEST_CONTROL) for a square target at data.resolution, or the
-    size data.control_resolution gives it. The planner reads no image, so it plans for the most."""
-    given = run.data.references or 0
+    them, or as many as the datasets' controls where those are more, or, with data.references unset, at
+    least the edit pipeline's own (Family.min_references: an edit sample always has its reference); each
+    the size the family's pipeline gives the largest square control (LARGEST_CONTROL) for a square target
+    at data.resolution, or the size data.control_resolution gives it. The planner reads no image, so it
+    plans for the most."""
+    family = families.of(spec)
+    given = run.data.references
     found = max((dataset_references(dataset.path, dataset.controls) for dataset in run.data.datasets), default=0)
-    # The larger of the two: a plan for fewer references than the data has would let the run run out of memory.
-    count = max(given, found)
+    # The largest: a plan for fewer references than the data has would let the run run out of memory.
+    count = max(given or 0, found, family.min_references(spec) if given is None else 0)
     if not count:
         return []
-    family = families.of(spec)
     if count > family.max_references(spec):
         field = "data.references" if given >= found else "data.datasets' controls"
         if not family.max_references(spec):
@@ -42,6 +44,24 @@ def plan_references(spec: ModelSpec, run: RunConfig) -> list[tuple[int, int]]:
     side = run.data.resolution
     size = family.reference_size(spec, (side, side), (LARGEST_CONTROL, LARGEST_CONTROL), run.data.control_resolution)
     return [size] * count
+
+
+def references_reason(spec: ModelSpec, run: RunConfig) -> str | None:
+    """The plan's line on the references it planned for: how many, at what size, and why that many."""
+    references = plan_references(spec, run)
+    if not references:
+        return None
+    family = families.of(spec)
+    count, (width, height) = len(references), references[0]
+    found = max((dataset_references(dataset.path, dataset.controls) for dataset in run.data.datasets), default=0)
+    if run.data.references is not None and run.data.references >= found:
+        why = "data.references (--references)"
+    elif found >= family.min_references(spec):
+        why = "the datasets' controls"
+    else:
+        why = (f"{family.pipeline_name(spec)} always takes {'one' if count == 1 else count}; data.references: 0 "
+               "(--references 0) plans it for text to image")
+    return f"{count} reference image{'s' if count > 1 else ''} per sample, each {width}x{height} px: {why}"
 
 
 def dataset_references(path: Path, controls: list[Path]) -> int:

@@ -72,7 +72,10 @@ def regenerate(name: str) -> int:
     facts: dict[str, ModelFacts] = {}
     for run in shipped_runs(name):
         measured = measure_model(spec, run, cache=False)
-        facts[shipped_key(spec, run, measured.text_tokens, defaults)] = measured
+        # The key's text length is the one measure_model looks up with: the caption's, without the rows an edit
+        # model's references add to the text it traces (measured.text_tokens).
+        text_tokens = run.data.text_tokens or families.of(spec).default_text_tokens
+        facts[shipped_key(spec, run, text_tokens, defaults)] = measured
         print(f"{name} {run.data.resolution} {run.training.mode.value} {run.training.quantize_base.value}: "
               f"{measured.trace_seconds:.1f} s", file=sys.stderr, flush=True)
     data = {"model": name, "measured_with": {lib: version(lib) for lib in ("torch", "diffusers", "peft")},
