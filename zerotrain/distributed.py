@@ -105,18 +105,44 @@ def accelerator() -> tuple[str, str]:
     return selected.device_name(), selected.communication_backend_name()
 
 
+def device_index(local_rank: int, visible: int, environ: Mapping[str, str] | None = None) -> int:
+    """Which of the GPUs this process sees is its own: the node-local rank's where it sees the node's GPUs; the
+    one it sees where each task sees only its own (Slurm's --gpus-per-task=1 or --gpu-bind, one container per
+    GPU), whatever its local rank; one line, with both numbers, where it sees fewer than its local rank needs
+    ("invalid device ordinal" otherwise)."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    env = os.environ if environ is None else environ
+    mask = env.get("CUDA_VISIBLE_DEVICES")
+    raise ZerotrainError(
+        f"LOCAL_RANK={local_rank}, but this process sees {visible} GPU{'s' if visible != 1 else ''}"
+        f"{f' (CUDA_VISIBLE_DEVICES={mask})' if mask is not None else ''}: a node-local rank needs the node's GPUs, "
+        "or exactly one of its own; launch one task per GPU with every GPU visible to it (DeepSpeed: --include, "
+        "not CUDA_VISIBLE_DEVICES), or bind exactly one GPU to each task (srun --gpus-per-task=1)")
+
+
 def local_device(topo: Topology) -> torch.device:
-    """This process's device on DeepSpeed's accelerator: cuda:<local_rank> on GPUs, cpu otherwise."""
+    """This process's device on DeepSpeed's accelerator: on GPUs, cuda:<device_index>, the local rank's or the
+    one GPU a task sees; cpu otherwise."""
     kind, _ = accelerator()
-    return torch.device(kind, topo.local_rank) if kind != "cpu" else torch.device("cpu")
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, device_index(topo.local_rank, torch.cuda.device_count()) if kind == "cuda"
+                        else topo.local_rank)
 
 
 def use_device(topo: Topology) -> torch.device:
-    """Make this process's accelerator device current (before any collective: NCCL uses the
-    current device) and return it."""
+    """Make this process's accelerator device current (before any collective: NCCL uses the current device),
+    tell DeepSpeed which it is, and return it. DeepSpeed takes its device from LOCAL_RANK (its engine, zero.Init,
+    ZeRO's buffers), so where each task sees one GPU of its own, LOCAL_RANK becomes that GPU's index, 0; the
+    node-local rank stays topo.local_rank, for what zerotrain does once per node."""
     device = local_device(topo)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if device.index != topo.local_rank:
+            os.environ["LOCAL_RANK"] = str(device.index)
     return device
 
 

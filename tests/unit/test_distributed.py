@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 @pytest.mark.parametrize(("nodelist", "host"), [
@@ -53,3 +54,28 @@ def test_the_device_follows_deepspeeds_accelerator_not_torch_cuda(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True,
                          cwd=tmp_path).stdout.strip().splitlines()[-1]
     assert out == "('cpu', 'gloo') cpu"
+
+
+def test_one_gpu_per_task_is_the_tasks_device_and_deepspeed_is_told(monkeypatch):
+    """Issue 48 §5: Slurm's --gpus-per-task=1 (or --gpu-bind, one container per GPU) shows each task one GPU while
+    LOCAL_RANK is 3: that GPU, cuda:0, is the task's, and DeepSpeed, which takes its device from LOCAL_RANK, is
+    told so; the node-local rank stays 3 for zerotrain's once-per-node work. Seeing some GPUs but fewer than the
+    local rank needs is one line with both numbers. CUDA stood in for where it is absent."""
+    from zerotrain import distributed
+    from zerotrain.distributed import Topology, device_index, use_device
+    from zerotrain.errors import ZerotrainError
+
+    assert device_index(3, 8) == 3 and device_index(3, 1) == 0 and device_index(0, 1) == 0
+    with pytest.raises(ZerotrainError, match=r"LOCAL_RANK=3, but this process sees 2 GPUs \(CUDA_VISIBLE_DEVICES=4,5\)"):
+        device_index(3, 2, {"CUDA_VISIBLE_DEVICES": "4,5"})
+    current = []
+    monkeypatch.setattr(distributed, "accelerator", lambda: ("cuda", "nccl"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    topo = Topology(rank=11, world_size=16, local_rank=3)
+    assert use_device(topo) == torch.device("cuda", 0) and current == [torch.device("cuda", 0)]
+    assert os.environ["LOCAL_RANK"] == "0" and topo.local_rank == 3
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert use_device(topo) == torch.device("cuda", 3) and os.environ["LOCAL_RANK"] == "3"

@@ -502,3 +502,19 @@ def test_the_denoiser_check_says_where_a_fine_tune_is_and_what_the_run_does_with
     finding = run_one(doctor.check_denoiser, tiny_run(tmp_path, f"model.denoiser={tmp_path / 'lora.safetensors'}",
                                                       measure=False))
     assert finding.verdict == "fail" and "is an adapter" in finding.detail, finding
+
+
+@pytest.mark.parametrize(("local_rank", "mask", "verdict"), [("3", "3", "ok"), ("3", "2,3", "fail"), ("1", "0,1", "ok")])
+def test_doctor_checks_the_local_rank_against_the_gpus_this_task_sees(tmp_path, monkeypatch, local_rank, mask, verdict):
+    """Issue 48 §5: with one GPU per task (srun --gpus-per-task=1: LOCAL_RANK 3 sees one GPU) the task's GPU is its
+    own; seeing 2 with LOCAL_RANK 3 is 'invalid device ordinal', named with both numbers."""
+    fake_gpus(monkeypatch, count=4, torch_count=len(mask.split(",")))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mask)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setenv("RANK", local_rank)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    finding = run_one(doctor.check_gpus, tiny_run(tmp_path, f"hardware.gpus={len(mask.split(','))}",
+                                                  "hardware.gpu_memory=80GiB"))
+    assert finding.verdict == verdict, finding
+    if verdict == "fail":
+        assert "LOCAL_RANK=3, but this process sees 2 GPUs (CUDA_VISIBLE_DEVICES=2,3)" in finding.detail, finding

@@ -68,14 +68,19 @@ def check_gpus(ctx: Context) -> Finding:
                                         f"{len(visible)}",
                                 "check CUDA_VISIBLE_DEVICES and that torch and NVML talk to the same driver "
                                 "(nvidia-smi)"))
-    from zerotrain.distributed import local_world_size
+    from zerotrain.distributed import device_index, local_world_size, topology
 
     local = local_world_size(ctx.environ)
-    if local and local > len(visible):
+    if local and local > len(visible) != 1:  # one GPU per task sees 1 of its own: that is its device
         problems.append(Finding("fail", f"the launcher starts {local} processes on this node but {len(visible)} "
                                         "GPU(s) are visible; the extra ranks fail with 'invalid device ordinal'",
                                 f"start one process per visible GPU (torchrun --nproc_per_node {len(visible)}, "
                                 f"or `{include}`)"))
+    if any(name in ctx.environ for name in ("LOCAL_RANK", "SLURM_LOCALID")) and visible:
+        try:
+            device_index(topology(ctx.environ).local_rank, len(visible), ctx.environ)
+        except ZerotrainError as err:
+            problems.append(Finding("fail", str(err), "see the line: one GPU per task, or every GPU to each task"))
     spec = ctx.run.hardware.gpus.strip()
     if spec.lower() != "auto":
         with contextlib.suppress(ZerotrainError):
