@@ -28,7 +28,7 @@ def plan_references(spec: ModelSpec, run: RunConfig) -> list[tuple[int, int]]:
     plans for the most."""
     family = families.of(spec)
     given = run.data.references
-    found = max((dataset_references(dataset.path, dataset.controls) for dataset in run.data.datasets), default=0)
+    found = datasets_references(run)
     # The largest: a plan for fewer references than the data has would let the run run out of memory.
     count = max(given or 0, found, family.min_references(spec) if given is None else 0)
     if not count:
@@ -53,7 +53,7 @@ def references_reason(spec: ModelSpec, run: RunConfig) -> str | None:
         return None
     family = families.of(spec)
     count, (width, height) = len(references), references[0]
-    found = max((dataset_references(dataset.path, dataset.controls) for dataset in run.data.datasets), default=0)
+    found = datasets_references(run)
     if run.data.references is not None and run.data.references >= found:
         why = "data.references (--references)"
     elif found >= family.min_references(spec):
@@ -62,6 +62,11 @@ def references_reason(spec: ModelSpec, run: RunConfig) -> str | None:
         why = (f"{family.pipeline_name(spec)} always takes {'one' if count == 1 else count}; data.references: 0 "
                "(--references 0) plans it for text to image")
     return f"{count} reference image{'s' if count > 1 else ''} per sample, each {width}x{height} px: {why}"
+
+
+def datasets_references(run: RunConfig) -> int:
+    """The most reference images per sample any of the run's datasets has."""
+    return max((dataset_references(dataset.path, dataset.controls) for dataset in run.data.datasets), default=0)
 
 
 def dataset_references(path: Path, controls: list[Path]) -> int:
