@@ -22,9 +22,12 @@ what finished.
 
 Then it fits the planner's constants to the clean rows (fragmentation, CUDA context and NCCL, the
 host-offload factor, achieved MFU of the family, ZeRO-3's fetch latency, CPU Adam rate from rows
-without a skipped step, host<->device bandwidth) and writes calibration.json; later plans of the
-same GPU profile use it (planner.calibration). What this machine cannot show (no GPU: memory and
-MFU) stays the default, and the output says so."""
+without a skipped step, host<->device bandwidth) and writes calibration.json with the lane it
+measured (planner.calibration.Lane: family, mode, checkpointing, resolution); later plans of the
+same GPU profile use its hardware constants, and those of the same lane its workload constants
+(planner.calibration). Replacing a calibration of the same GPU profile, it keeps that one's other
+lanes. What this machine cannot show (no GPU: memory and MFU) stays the default, and the output
+says so."""
 
 from __future__ import annotations
 
@@ -400,8 +403,7 @@ def fit(rows: list[dict], hw, facts, family: str, planner, on_gpu: bool) -> tupl
                for r in offloaded if on_gpu and r["measured"]["host_rss_peak"] and r["predicted"]["host_offload_per_rank"]]
     if factors:
         constants["host_offload_factor"] = round(statistics.median(factors), 3)
-    every = [*calibration.PLANNER_CONSTANTS, "assumed_mfu", "host_to_device_bandwidth"]
-    return constants, [name for name in every if name not in constants]
+    return constants, [name for name in (*calibration.HARDWARE, *calibration.WORKLOAD) if name not in constants]
 
 
 def fit_margin(rows: list[dict], hw) -> float | None:
@@ -535,9 +537,11 @@ def calibrate(args: argparse.Namespace, run: RunConfig) -> int:
     layouts = grid(result, args.grid) * args.repeat
     on_gpu = accelerator_type() == "cuda"
     out = args.out or (calibration.default_path(hw.gpu_name) if on_gpu else Path("calibration.json"))
+    lane = calibration.Lane.of(run, families.of(spec).name)
     head = {"version": calibration.VERSION, "profile": hw.gpu_name, "date": date.today().isoformat(),
             "model": spec.name, "resolution": run.data.resolution, "mode": run.training.mode.value,
-            "world_size": ranks}
+            "world_size": ranks, "lane": dataclasses.asdict(lane),
+            "lanes": calibration.kept_lanes(out, lane, hw.gpu_name)}
     rows: list[dict] = []
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -813,5 +817,9 @@ def report(document: dict, out: Path) -> None:
     fitted = ", ".join(f"{k}={v}" for k, v in document["constants"].items()) or "nothing"
     console.print(f"Fitted: {fitted}")
     console.print(f"Defaults kept (not measurable in this run): {', '.join(document['defaults']) or 'none'}")
+    lane = calibration.Lane.from_json(document["lane"])
+    kept = f"; kept from the calibration it replaced: {len(document['lanes'])} other lanes" if document["lanes"] else ""
+    console.print(f"Lane: {lane.describe() if lane else 'none'}: plans of this lane use every fitted constant, other "
+                  f"plans on {document['profile']} only {', '.join(calibration.HARDWARE)}{kept}")
     console.print(f"Written to {out}; plans use it with planner.calibration: {out}")
 

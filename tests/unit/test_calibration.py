@@ -3,6 +3,7 @@ calibrate` that need no engine: the grid around the plan's choice and the reduce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -23,16 +24,23 @@ from zerotrain.planner import calibration
 from zerotrain.planner.facts import ModelFacts
 
 
-def write(path, constants, device="NVIDIA H100 80GB HBM3"):
+def write(path, constants, device="NVIDIA H100 80GB HBM3", lane=None, **fields):
+    """A calibration document as calibrate writes it; without `lane`, one older than lanes."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    lane = {"lane": lane} if lane else {}
     path.write_text(json.dumps({"version": 1, "device": device, "profile": "H100-80GB", "date": "2026-11-24",
-                                "constants": constants, "defaults": [], "measurements": []}))
+                                **lane, **fields, "constants": constants, "defaults": [], "measurements": []}))
     return path
+
+
+# The lane of a plan of flux-dev with the default run config (a full fine-tune at 1024 px).
+FLUX_FULL = {"family": "flux", "mode": "full", "checkpointing": "auto", "resolution": 1024}
 
 
 def test_a_calibration_replaces_the_defaults_the_config_leaves_unset(tmp_path):
     path = write(tmp_path / "cal.json", {"fragmentation": 0.03, "cuda_context_bytes": 500 * 2**20,
-                                         "assumed_mfu": {"flux": 0.31, "sd3": 0.2}, "host_to_device_bandwidth": 2.1e10})
+                                         "assumed_mfu": {"flux": 0.31, "sd3": 0.2}, "host_to_device_bandwidth": 2.1e10},
+                 lane=FLUX_FULL)
     run = load_config(None, ["hardware.gpus=1xH100-80GB", f"planner.calibration={path}", "planner.fragmentation=0.2"])
     hw = hardware_facts(run.hardware)
     calibrated, hw2, note, _ = calibration.apply(run, hw, "flux")
@@ -83,6 +91,183 @@ def test_a_broken_calibration_is_one_line_naming_the_field(tmp_path):
     path.write_text(json.dumps({"version": 99}))
     with pytest.raises(ZerotrainError, match="run zerotrain calibrate again"):
         calibration.apply(run, hardware_facts(run.hardware), "flux")
+
+
+# A 2-block Flux LoRA measured at 1024 px: its workload constants (activation_margin, fragmentation, the
+# family's MFU), and constants of the GPU and its host.
+LORA_LANE = {"family": "flux", "mode": "lora", "checkpointing": "auto", "resolution": 1024}
+WORKLOAD = {"activation_margin": 0.02, "fragmentation": 0.05, "assumed_mfu": {"flux": 0.31}}
+HARDWARE = {"nccl_workspace_bytes": 2**30, "cuda_context_bytes": 500 * 2**20, "stage3_fetch_latency": 1e-3,
+            "host_to_device_bandwidth": 2.1e10}
+
+
+def applied(path, *overrides, family="flux"):
+    run = load_config(None, ["hardware.gpus=1xH100-80GB", f"planner.calibration={path}", *overrides])
+    return calibration.apply(run, hardware_facts(run.hardware), family)
+
+
+@pytest.mark.parametrize(("overrides", "family"), [
+    (["training.mode=lora"], "flux"),
+    (["training.mode=lora", "data.resolution=768"], "flux"),  # 768 px is in 1024's band
+])
+def test_a_calibration_applies_its_workload_constants_to_its_lane(tmp_path, overrides, family):
+    path = write(tmp_path / "cal.json", {**WORKLOAD, **HARDWARE}, lane=LORA_LANE)
+    run, hw, note, margin_from = applied(path, *overrides, family=family)
+    assert (run.planner.activation_margin, run.planner.fragmentation, run.planner.assumed_mfu) == (0.02, 0.05, 0.31)
+    assert run.planner.nccl_workspace_bytes == 2**30 and hw.host_to_device_bandwidth == 2.1e10
+    assert "activation_margin, assumed_mfu, fragmentation (this plan's lane: flux lora at 1024 px (up to 1024²), " \
+           "checkpointing left to the planner)" in note and "not used" not in note
+    assert margin_from == "NVIDIA H100 80GB HBM3 for flux lora at 1024 px (up to 1024²), checkpointing left to the planner"
+
+
+@pytest.mark.parametrize(("overrides", "family", "why"), [
+    # The issue's case: a 2-block Flux LoRA's margin for a full fine-tune of another family
+    (["training.mode=full"], "qwen_image", "(another family, mode)"),
+    (["training.mode=lora", "data.resolution=2048"], "flux", "(another resolution band)"),
+    (["training.mode=lora", "data.resolution=512"], "flux", "(another resolution band)"),
+    (["training.mode=lora", "training.gradient_checkpointing=true"], "flux", "(another checkpointing)"),
+    (["training.mode=lora", "training.gradient_checkpointing=false"], "flux", "(another checkpointing)"),
+    (["training.mode=lora", "training.checkpoint_blocks=4"], "flux", "(another checkpointing)"),
+    (["training.mode=lora", "training.quantize_base=qint8"], "flux", "(another mode)"),
+    (["training.mode=lora", "training.lora.type=lokr"], "flux", "(another mode)"),
+])
+def test_a_plan_outside_the_lane_keeps_the_workload_defaults_and_says_why(tmp_path, overrides, family, why):
+    """Only the constants of the GPU and its host transfer; the plan line names the calibration, what it
+    used, what it did not and why."""
+    path = write(tmp_path / "cal.json", {**WORKLOAD, **HARDWARE}, lane=LORA_LANE)
+    run, hw, note, margin_from = applied(path, *overrides, family=family)
+    defaults = RunConfig().planner
+    assert (run.planner.activation_margin, run.planner.fragmentation, run.planner.assumed_mfu) == \
+        (defaults.activation_margin, defaults.fragmentation, defaults.assumed_mfu) and margin_from is None
+    assert (run.planner.nccl_workspace_bytes, run.planner.cuda_context_bytes, run.planner.stage3_fetch_latency) == \
+        (2**30, 500 * 2**20, 1e-3) and hw.host_to_device_bandwidth == 2.1e10, "hardware constants transfer"
+    assert note.startswith(f"Calibrated on NVIDIA H100 80GB HBM3, 2026-11-24 ({path}): cuda_context_bytes, "
+                           "host_to_device_bandwidth, nccl_workspace_bytes, stage3_fetch_latency (the GPU profile's); "
+                           "activation_margin, assumed_mfu, fragmentation not used: measured for flux lora at 1024 px "
+                           "(up to 1024²), checkpointing left to the planner; this plan is "), note
+    assert note.endswith(why), note
+
+
+def test_the_config_still_wins_outside_the_lane_and_in_it(tmp_path):
+    path = write(tmp_path / "cal.json", {**WORKLOAD, **HARDWARE}, lane=LORA_LANE)
+    run, _, note, _ = applied(path, "training.mode=full", "planner.activation_margin=0.1", "planner.fragmentation=0.2")
+    assert run.planner.activation_margin == 0.1 and "; assumed_mfu not used: measured for flux lora" in note
+    run, _, note, margin_from = applied(path, "training.mode=lora", "planner.activation_margin=0.1")
+    assert run.planner.activation_margin == 0.1 and run.planner.fragmentation == 0.05 and margin_from is None
+
+
+def test_a_calibration_older_than_lanes_transfers_only_its_hardware_constants(tmp_path):
+    """The first GPU's calibration (no lane): its fragmentation, MFU and margin of a 2-block Flux LoRA
+    apply to no plan, even Flux LoRA's; its CUDA context, NCCL and bandwidth to every plan on an H200."""
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    path = results / "h200-2026-11-28-flux-dev-2b-lora.calibration.json"
+    constants = json.loads(path.read_text())["constants"]
+    run = load_config(None, ["hardware.gpus=1xH200-141GB", "training.mode=lora", f"planner.calibration={path}"])
+    calibrated, hw, note, margin_from = calibration.apply(run, hardware_facts(run.hardware), "flux")
+    assert calibrated.planner.activation_margin == 0.43 and calibrated.planner.fragmentation == 0.10
+    assert calibrated.planner.nccl_workspace_bytes == constants["nccl_workspace_bytes"] and margin_from is None
+    assert hw.host_to_device_bandwidth == constants["host_to_device_bandwidth"]
+    assert note.endswith("activation_margin, assumed_mfu, fragmentation not used: the calibration records no lane "
+                         "(family, mode, checkpointing, resolution) that they hold for; zerotrain calibrate records it")
+
+
+def test_the_first_gpus_calibration_keeps_its_margin_from_another_familys_full_fine_tune(tmp_path):
+    """Issue 48 §7, through plan_for_run: the first GPU's calibration with the lane calibrate records
+    for it (flux-dev LoRA at 1024 px, checkpointing left to the planner) gives Flux LoRA plans its margin
+    of 0.33, and a Qwen-Image full fine-tune (60 blocks) the default 0.43, each plan saying so."""
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.entry import plan_for_run
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    document = json.loads((results / "h200-2026-11-28-flux-dev-2b-lora.calibration.json").read_text())
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps({**document, "lane": LORA_LANE}))
+    margins = {}
+    for model, mode in (("flux-dev", "lora"), ("qwen-image", "full")):
+        run = load_config(None, [f"model.name_or_path={model}", f"training.mode={mode}", "hardware.gpus=1xH200-141GB",
+                                 f"planner.calibration={path}", f"planner.cache_dir={tmp_path}"])
+        planned = plan_for_run(run, resolve_model(run.model))
+        margins[model] = planned.run.planner.activation_margin
+        assert planned.calibration in planned.result.reasons
+        assert planned.run.planner.nccl_workspace_bytes == document["constants"]["nccl_workspace_bytes"]
+        margin_line = next(line for line in planned.result.reasons if line.startswith(("Activation margin",
+                                                                                         "Activations traced, not")))
+        if model == "flux-dev":
+            assert margin_line.startswith("Activation margin 33% of the activations of uncheckpointed blocks, measured "
+                                          "on NVIDIA H200 for flux lora at 1024 px")
+        else:
+            assert "not used: measured for flux lora at 1024 px" in planned.calibration
+            assert planned.calibration.endswith("this plan is qwen_image full at 1024 px (up to 1024²), checkpointing "
+                                                "left to the planner (another family, mode)")
+            assert "not yet measured on this GPU in this plan's lane" in margin_line
+    assert margins == {"flux-dev": 0.33, "qwen-image": 0.43}
+
+
+def test_a_calibration_keeps_the_lanes_it_replaces_and_a_plan_picks_its_own(tmp_path):
+    """calibrate writes its lane over the GPU profile's calibration and keeps the other lanes of the
+    one it replaces (calibration.kept_lanes; the new one's hardware constants win); a plan takes the
+    workload constants of the lane that is its own, wherever it is in the file."""
+    old = write(tmp_path / "cal.json", {**WORKLOAD, **HARDWARE}, lane=LORA_LANE, model="flux-dev (2 blocks)")
+    qwen = calibration.Lane("qwen_image", "full", "auto", 1024)
+    [kept] = calibration.kept_lanes(old, qwen, "H100-80GB")
+    assert kept == {"lane": LORA_LANE, "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-24",
+                    "model": "flux-dev (2 blocks)", "constants": WORKLOAD}
+    assert calibration.kept_lanes(old, calibration.Lane("flux", "lora", "auto", 896), "H100-80GB") == [], \
+        "the same lane is replaced"
+    assert calibration.kept_lanes(old, qwen, "A100-80GB") == [], "another GPU profile's calibration keeps nothing"
+    assert calibration.kept_lanes(tmp_path / "none.json", qwen, "H100-80GB") == []
+    new = write(tmp_path / "new.json", {"activation_margin": 0.3, "nccl_workspace_bytes": 3 * 2**30},
+                lane=dataclasses.asdict(qwen), lanes=[kept])
+    new_doc = json.loads(new.read_text())
+    new_doc["date"] = "2026-12-01"
+    new.write_text(json.dumps(new_doc))
+    assert [dataclasses.asdict(qwen)] == [e["lane"] for e in calibration.kept_lanes(new, calibration.Lane(
+        "flux", "lora", "auto", 1024), "H100-80GB")]
+    run, _, note, _ = applied(new, "training.mode=lora")
+    assert run.planner.activation_margin == 0.02 and run.planner.nccl_workspace_bytes == 3 * 2**30
+    assert "(this plan's lane: flux lora at 1024 px (up to 1024²), checkpointing left to the planner, measured " \
+           "2026-11-24)" in note
+    run, _, note, _ = applied(new, "training.mode=full", family="qwen_image")
+    assert run.planner.activation_margin == 0.3 and "measured 2026" not in note
+    run, _, note, _ = applied(new, "training.mode=full", family="flux")
+    assert run.planner.activation_margin == 0.43
+    assert "not used: measured for qwen_image full at 1024 px (up to 1024²), checkpointing left to the planner " \
+           "and 1 other lane; this plan is flux full" in note
+
+
+def test_calibrate_records_the_lane_it_measured_and_keeps_the_others(tmp_path, monkeypatch, capsys):
+    """The document calibrate writes names its lane, from the run it measured, and carries the other lanes
+    of the calibration at --out (its layouts' measurement is left out here: it needs DeepSpeed)."""
+    import argparse
+
+    import zerotrain.calibrate as calibrate_module
+
+    out = write(tmp_path / "cal.json", WORKLOAD, lane=LORA_LANE)
+    written = {}
+
+    def measure_layouts(args, run, spec, facts, result, hw, layouts, head, rows, ranks, on_gpu, out):
+        written.update(head)
+        return {**head, "device": "cpu", "complete": True, "constants": {}, "defaults": [], "measurements": []}
+
+    monkeypatch.setattr(calibrate_module, "measure_layouts", measure_layouts)
+    monkeypatch.setattr(calibrate_module, "accelerator_type", lambda: "cuda")
+    run = load_config(None, ["model.name_or_path=tiny-flux", "training.mode=lora", "data.resolution=64",
+                             "training.gradient_checkpointing=false", "hardware.gpus=1xH100-80GB",
+                             f"planner.cache_dir={tmp_path}"])
+    args = argparse.Namespace(ranks=1, blocks=None, grid="chosen", repeat=1, out=out, json=True)
+    assert calibrate_module.calibrate(args, run) == 0
+    assert written["lane"] == {"family": "flux", "mode": "lora", "checkpointing": "none", "resolution": 64}
+    assert [e["lane"] for e in written["lanes"]] == [LORA_LANE]
+    assert json.loads(capsys.readouterr().out)["lane"] == written["lane"]
+
+
+def test_the_nccl_default_is_the_first_gpus_measurement():
+    """planner.nccl_workspace_bytes follows the one GPU measurement (1.07 GiB on one H200), not the
+    400 MiB it was guessed at, within a MiB."""
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    measured = json.loads((results / "h200-2026-11-28-flux-dev-2b-lora.calibration.json").read_text())
+    assert RunConfig().planner.nccl_workspace_bytes == pytest.approx(measured["constants"]["nccl_workspace_bytes"],
+                                                                     abs=2**20)
 
 
 def test_blocks_are_shared_in_proportion_at_full_width():

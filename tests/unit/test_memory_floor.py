@@ -349,7 +349,8 @@ def test_zeropp_joins_the_search_on_several_nodes_and_moves_traffic_into_the_nod
 
 
 def test_lora_plans_weigh_streaming_the_base_against_quantizing_it():
-    """LoRA on Flux-dev in 16 GiB: the plan streams the frozen base with ZeRO-3 parameter offload
+    """LoRA on Flux-dev in 17 GiB (a qint8 base fits it beside the measured 1.07 GiB of NCCL workspace,
+    not 16 GiB): the plan streams the frozen base with ZeRO-3 parameter offload
     and says what that costs per step, then plans qint8 and qint4 bases (their own facts) and
     states each one's step time; over a quantized base it weighs the unquantized one."""
     from zerotrain.models.catalog import resolve_model
@@ -358,7 +359,7 @@ def test_lora_plans_weigh_streaming_the_base_against_quantizing_it():
 
     def choices(*overrides: str) -> tuple[object, list[str]]:
         run = load_config(None, ["model.name_or_path=flux-dev", "training.mode=lora", "hardware.gpus=1",
-                                 "hardware.gpu_memory=16GiB", *overrides])
+                                 "hardware.gpu_memory=17GiB", *overrides])
         spec = resolve_model(run.model)
         facts = measure_model(spec, run)
         hw = hardware_facts(run.hardware)

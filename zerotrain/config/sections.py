@@ -434,11 +434,12 @@ class PlannerConfig(_Section):
     headroom: float = Field(0.08, ge=0.0, lt=0.9)
     """Fraction of each GPU's memory the plan keeps free as a safety margin."""
     activation_margin: float = Field(0.43, ge=0.0, le=4.0)
-    """Until `zerotrain calibrate` has measured this GPU profile, a layout that keeps blocks
-    uncheckpointed must also leave this share of their traced activations free: without
-    checkpointing, published peaks of other trainers measured up to 1/0.70 of the traced estimate
-    (docs/planning.md, "Honest margins until calibrated"). A calibration replaces it with the measured
-    value; 0 trusts the trace."""
+    """Until `zerotrain calibrate` has measured it on this GPU profile in the plan's lane (family,
+    mode, checkpointing, resolution band), a layout that keeps blocks uncheckpointed must also leave
+    this share of their traced activations free: without checkpointing, published peaks of other
+    trainers measured up to 1/0.70 of the traced estimate (docs/planning.md, "Honest margins until
+    calibrated"). A calibration of the plan's lane replaces it with the measured value; 0 trusts
+    the trace."""
     stages: list[Literal[0, 1, 2, 3]] = [0, 1, 2, 3]
     """ZeRO stages the search may choose from."""
     zeropp: list[Literal["none", "hpz", "hpz-qwz-qgz"]] = ["none", "hpz"]
@@ -465,8 +466,11 @@ class PlannerConfig(_Section):
     cuda_context_bytes: int = Field(600 * 2**20, ge=0)
     """Per-process CUDA context outside the allocator; 0.3-0.7 GB per process is typical;
     calibrate on the GPU."""
-    nccl_workspace_bytes: int = Field(400 * 2**20, ge=0)
-    """NCCL communicator buffers plus the cuBLAS workspace per process."""
+    nccl_workspace_bytes: int = Field(1098 * 2**20, ge=0)
+    """NCCL communicator buffers plus the cuBLAS workspace per process: what the process group and
+    the first steps added outside the allocator. 1098 MiB (1.07 GiB): the first GPU's measurement
+    (one H200, one rank, torch 2.11.0+cu130;
+    benchmarks/results/h200-2026-11-28-flux-dev-2b-lora.calibration.json). calibrate measures it."""
     fragmentation: float = Field(0.10, ge=0.0, le=1.0)
     """Allocator overhead as a fraction of allocated bytes (reserved/allocated - 1): 10-50% with
     changing shapes, low with expandable_segments."""
@@ -515,7 +519,10 @@ class PlannerConfig(_Section):
     node; 1.0 trusts the buffer model)."""
     calibration: Path | None = None
     """calibration.json written by `zerotrain calibrate`: its fitted constants replace the defaults
-    of the fields above that the config does not set. When not given, the calibration of the
+    of the fields above that the config does not set. Those of the GPU and its host (CUDA context,
+    NCCL, CPU Adam, host offload, ZeRO-3 fetch latency, host-to-device bandwidth) apply to every plan;
+    activation_margin, fragmentation and assumed_mfu only to a plan of the lane it measured (the
+    same family, mode, checkpointing and resolution band). When not given, the calibration of the
     planned GPU profile in ~/.cache/zerotrain/calibration/ is used if there is one."""
 
 

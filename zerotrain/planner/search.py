@@ -85,7 +85,8 @@ class Plan:
     checkpoint_order: list[str] = field(default_factory=list)
     """The blocks partial checkpointing takes, best first (ModelFacts.checkpoint_order)."""
     margin_measured_on: str | None = None
-    """The device whose calibration measured planner.activation_margin; None: the default."""
+    """Where a calibration measured planner.activation_margin: its device and lane (calibration.Lane);
+    None: the default."""
 
     def checkpointed(self, layout: Layout) -> bool | list[str]:
         """What a layout checkpoints, as engine.apply_mode takes it: True for every block, the
@@ -426,7 +427,7 @@ def optimizer_reason(p: Plan, run: RunConfig) -> str | None:
 
 def plan(facts: ModelFacts, hw: HardwareFacts, run: RunConfig, margin_measured_on: str | None = None) -> Plan:
     """All candidates, the fastest one that fits, and the reasons, in words. margin_measured_on:
-    the device on which a calibration measured planner.activation_margin (None: the default)."""
+    the device and lane on which a calibration measured planner.activation_margin (None: the default)."""
     per_rank = check_batch(run, hw)
     check_blocks(run, facts)
     candidates = [evaluate(layout, facts, hw, run) for layout in layouts(run, hw, per_rank)
@@ -524,9 +525,11 @@ def margin_reason(p: Plan, run: RunConfig) -> str:
         return (f"Activation margin {share:.0%} of the activations of uncheckpointed blocks, measured on "
                 f"{p.margin_measured_on} (zerotrain calibrate)")
     if share == 0:
-        return "Activations traced, not yet measured on this GPU; planner.activation_margin=0 trusts the trace as it is"
-    return (f"Activations traced, not yet measured on this GPU: a layout that keeps blocks uncheckpointed also leaves "
-            f"{share:.0%} of their activations free (planner.activation_margin; zerotrain calibrate measures it)")
+        return ("Activations traced, not yet measured on this GPU in this plan's lane; planner.activation_margin=0 "
+                "trusts the trace as it is")
+    return (f"Activations traced, not yet measured on this GPU in this plan's lane: a layout that keeps blocks "
+            f"uncheckpointed also leaves {share:.0%} of their activations free (planner.activation_margin; "
+            "zerotrain calibrate measures it)")
 
 
 def offload_reason(c: Candidate, candidates: list[Candidate], facts: ModelFacts) -> str:
