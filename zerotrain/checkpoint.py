@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from zerotrain import deepspeed_compat
-from zerotrain.distributed import Topology, accelerator, all_ok, barrier, gather_objects
+from zerotrain.distributed import Topology, accelerator, all_ok, barrier, gather_objects, patient_barrier
 from zerotrain.errors import ZerotrainError
 from zerotrain.optimizers import CLIENT_OPTIMIZERS, name_of
 from zerotrain.units import gib
@@ -428,7 +428,7 @@ def make_universal(checkpoint: Path, topo: Topology) -> Path:
                                  "resume with the world size and ZeRO stage it was saved with "
                                  f"({saved_state(checkpoint)})") from err
         os.replace(partial, target)
-    barrier()
+    patient_barrier("rank 0's conversion to a universal checkpoint")
     return target
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from zerotrain import calibrate, doctor, launch
 from zerotrain.config import load_config
 from zerotrain.config.flags import add_plan_flags, config_from_args
-from zerotrain.errors import ZerotrainError
+from zerotrain.errors import ZerotrainError, one_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,14 +126,24 @@ def run_cache(args: argparse.Namespace) -> int:
     import torch
 
     from zerotrain.data.prepare import prepare
-    from zerotrain.distributed import init_process_group, local_device, topology
+    from zerotrain.distributed import Heartbeat, init_process_group, local_device, topology
     from zerotrain.models.catalog import resolve_model
+    from zerotrain.train import BACKSTOP_S
 
     run = load_config(args.config, args.overrides)
     topo = topology()
-    init_process_group(topo)
+    # Under torchrun: the collectives time out as training's do; the long waits (a node's download, the other
+    # ranks' share of the build) wait in the store for as long as the ranks' heartbeats move (patient_barrier).
+    init_process_group(topo, run.faults.collective_timeout_seconds + BACKSTOP_S)
+    heartbeat = Heartbeat(topo, run.faults.lost_rank_seconds)
     device = local_device(topo)
-    prepared = prepare(run, resolve_model(run.model), topo, device)
+    try:
+        prepared = prepare(run, resolve_model(run.model), topo, device)
+    except Exception as err:
+        heartbeat.post(f"rank {topo.rank} stopped: {one_line(err, 300)}")  # the others stop with it
+        raise
+    finally:
+        heartbeat.stop()
     if topo.is_main:
         for line in prepared.summary():
             print(line)

@@ -146,17 +146,37 @@ def use_device(topo: Topology) -> torch.device:
     return device
 
 
-def init_process_group(topo: Topology) -> None:
+def init_process_group(topo: Topology, timeout: float | None = None) -> None:
     """Join the job's process group (the accelerator's backend: NCCL on GPUs, gloo on CPU) when
-    there is more than one process. MASTER_ADDR/MASTER_PORT come from the launcher."""
+    there is more than one process, with `timeout` seconds for its collectives (torch's default when None).
+    MASTER_ADDR/MASTER_PORT come from the launcher."""
+    from datetime import timedelta
+
     if topo.world_size > 1 and not torch.distributed.is_initialized():
         use_device(topo)
-        torch.distributed.init_process_group(accelerator()[1], rank=topo.rank, world_size=topo.world_size)
+        torch.distributed.init_process_group(accelerator()[1], rank=topo.rank, world_size=topo.world_size,
+                                             **({} if timeout is None else {"timeout": timedelta(seconds=timeout)}))
 
 
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+_patient = iter(range(1, 1 << 62))
+
+
+def patient_barrier(what: str) -> None:
+    """A barrier after one rank's long work (a node's download, a share of the cache build, a checkpoint's
+    conversion), which may outlast any collective timeout (20 GB of encoders): the ranks meet in the rendezvous
+    store, with no deadline while every rank's heartbeat moves (a lost rank ends the wait: Heartbeat), instead
+    of in a collective. The plain barrier where no heartbeat runs."""
+    heartbeat = CURRENT
+    if heartbeat is None or heartbeat._store is None:
+        barrier()
+        return
+    with PROGRESS.during(f"wait for {what}", watched=False):
+        heartbeat.everyone(f"barrier/{next(_patient)}", float("inf"))
 
 
 def gather_objects(value: object) -> list[object]:
@@ -199,10 +219,11 @@ def from_rank0(compute: Callable[..., T], topo: Topology, *args: Any) -> T:
 
 def on_each_node(compute: Callable[..., T], topo: Topology, *args: Any) -> T:
     """compute(*args) on local rank 0 of every node (a download into the node's cache) while the node's
-    other ranks wait in a collective (under the process group's timeout); each rank gets its node's result.
+    other ranks wait (patient_barrier: as long as it takes, while it is alive); each rank gets its node's result.
     An error on any node is raised on every rank: the computing rank's own error, and its one line on the
     others."""
     outcome, error = _attempt(compute, args, topo) if topo.local_rank == 0 else (None, None)
+    patient_barrier(f"{getattr(compute, '__name__', 'a step')} on local rank 0 of each node")
     host = socket.gethostname()
     everyone = gather_objects((host, topo.local_rank, outcome))
     if error is not None:
@@ -234,8 +255,66 @@ def all_ok(ok: bool) -> bool:
     return agree([0.0 if ok else 1.0])[0] == 0.0
 
 
+class Progress:
+    """What this rank's main thread is doing, for its heartbeat thread: a phase ("forward", "checkpoint"), the
+    optimizer step it belongs to, and since when. A watched phase that lasts longer than the collective
+    timeout is a stall (Heartbeat); an unwatched one (a download or a cache build other ranks wait for
+    patiently, patient_barrier) has no limit. Setting it is an attribute assignment: the loop sets it at every
+    phase."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.step: int | None = None
+        self.state: tuple[str | None, float, bool, int | None] = (None, time.time(), False, None)
+
+    def at(self, phase: str | None, watched: bool = True) -> None:
+        import time
+
+        self.state = (phase, time.time(), watched, self.step)
+
+    def during(self, phase: str, watched: bool = True) -> Any:
+        """A context in `phase`; the phase before it resumes after (from then on)."""
+        import contextlib
+        import time
+
+        @contextlib.contextmanager
+        def scope() -> Any:
+            before = self.state
+            self.at(phase, watched)
+            try:
+                yield
+            finally:
+                self.state = (before[0], time.time(), before[2], before[3])
+
+        return scope()
+
+    @staticmethod
+    def describe(state: tuple[str | None, float, bool, int | None]) -> str:
+        phase, _, _, step = state
+        if phase is None:
+            return "start-up"
+        return f"the {phase} of step {step}" if step is not None and phase in STEP_PHASES else f"the {phase}"
+
+    @staticmethod
+    def order(state: tuple[str | None, float, bool, int | None]) -> tuple[int, int]:
+        """How far a rank in this state has got: its step, then its phase's place in the step (a rank behind the
+        others is the one they wait for)."""
+        phase, _, _, step = state
+        return (step or 0, PHASE_ORDER.index(phase) if phase in PHASE_ORDER else -1)
+
+
+# Phases of one optimizer step, named with the step's number, and the loop's phases in their order.
+STEP_PHASES = ("data", "forward", "backward", "optimizer step", "agreement", "EMA update")
+PHASE_ORDER = (*STEP_PHASES, "checkpoint", "validation")
+PROGRESS = Progress()
+# The job's one fault line: the first rank to post one (Heartbeat.post) stops every rank with it.
+FAULT_KEY = "zerotrain/fault"
+
+
 class Heartbeat:
-    """Tells which rank of a job was lost, and ends a rank that would otherwise wait for it forever.
+    """Tells which rank of a job was lost or stalled, or ran into a fault of its own, and ends a rank that would
+    otherwise wait for it until a timeout.
 
     A background thread of every rank advances the counter zerotrain/heartbeat/<rank> in the job's
     rendezvous store (its own TCPStore client of MASTER_ADDR:MASTER_PORT, held by rank 0 or by
@@ -246,6 +325,17 @@ class Heartbeat:
     main thread stays blocked instead (NCCL waits until the collective timeout), the thread prints
     the one line itself and ends the process with exit code 3 after `handover` seconds.
 
+    The same thread
+    - publishes the main thread's phase (PROGRESS) under zerotrain/phase/<rank>, so that a line names where each
+      rank is;
+    - ends the rank, with exit code 3 and one line naming every rank's phase, when a watched phase has lasted
+      `stall_after` seconds (faults.collective_timeout_seconds): a collective that never completes, on any group,
+      DeepSpeed's included, whatever the backend. The process groups' own timeout is set longer
+      (deepspeed_compat.init_distributed), so that this line, not NCCL's watchdog abort, is what a user reads;
+    - reads the job's fault line (FAULT_KEY): a rank that cannot go on (one rank out of memory) posts it before it
+      stops, and every other rank, wherever it waits, stops with it (as with a lost rank: verdict(), or the
+      thread itself after `handover` seconds).
+
     The counters live in the store, not in the collectives, so they keep moving while a rank is
     busy: compute, a checkpoint write or a universal conversion release the GIL. `stop()` ends the
     thread and the store client before the process group is destroyed."""
@@ -253,14 +343,19 @@ class Heartbeat:
     EXIT_CODE = 3
 
     def __init__(self, topo: Topology, lost_after: float, interval: float = 1.0, handover: float = 15.0,
-                 environ: Mapping[str, str] | None = None):
+                 environ: Mapping[str, str] | None = None, stall_after: float | None = None,
+                 progress: Progress = PROGRESS, resume: Callable[[], str] | None = None):
         import threading
 
         self.topo = topo
+        self.resume = resume or (lambda: "resume with the same command (training.resume: auto)")
         self.lost_after = lost_after
         self.interval = interval
         self.handover = handover
+        self.stall_after = stall_after
+        self.progress = progress
         self.lost: list[int] | None = None
+        self.fault: str | None = None
         self.detail = ""
         self._found = threading.Event()
         self._handled = threading.Event()
@@ -281,6 +376,8 @@ class Heartbeat:
                       f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} ({' '.join(str(err).split())[:160]}); a lost rank "
                       "will be noticed only by faults.collective_timeout_seconds", file=sys.stderr, flush=True)
                 return
+            global CURRENT
+            CURRENT = self
             self._thread = threading.Thread(target=self._run, name="zerotrain-heartbeat", daemon=True)
             self._thread.start()
 
@@ -294,14 +391,22 @@ class Heartbeat:
         seen = {r: -1 for r in others}
         moved = {r: time.monotonic() for r in others}
         reachable = time.monotonic()
+        published = None
         while not self._stop.wait(self.interval):
             now = time.monotonic()
+            state = self.progress.state
             try:
                 self._store.add(self._key(self.topo.rank), 1)
                 for r in others:
                     count = self._store.add(self._key(r), 0)
                     if count != seen[r]:
                         seen[r], moved[r] = count, now
+                if state != published:
+                    step, place = Progress.order(state)
+                    self._store.set(f"zerotrain/phase/{self.topo.rank}",
+                                    f"{step}\t{place}\t{state[1]}\t{Progress.describe(state)}")
+                    published = state
+                fault = self._store.get(FAULT_KEY).decode() if self._store.check([FAULT_KEY]) else None
                 reachable = now
             except Exception as err:  # noqa: BLE001 - any store failure means its holder is gone
                 if now - reachable >= self.lost_after:
@@ -309,45 +414,118 @@ class Heartbeat:
                                        f"{now - reachable:.0f} s ({' '.join(str(err).split())[:120]})")
                     return
                 continue
+            if fault is not None and not fault.startswith(f"{self.topo.rank}\t"):
+                self._declare([], "", fault=fault.partition("\t")[2])
+                return
             lost = [r for r in others if now - moved[r] >= self.lost_after]
             if lost:
                 self._declare(lost, f"no heartbeat for {self.lost_after:.0f} s")
                 return
+            phase, since, watched, _ = state
+            if self.stall_after is not None and watched and phase is not None and \
+                    time.time() - since >= self.stall_after:
+                self._stalled(state)
+                return
 
-    def _declare(self, lost: list[int], detail: str) -> None:
+    def _declare(self, lost: list[int], detail: str, fault: str | None = None) -> None:
         import sys
 
-        self.lost, self.detail = lost, detail
+        self.lost, self.detail, self.fault = lost, detail, fault
         self._found.set()
         if self._handled.wait(self.handover) or self._stop.is_set():
             return
         print(f"zerotrain: error: rank {self.topo.rank}: {self.describe()}; stopping this rank (it was blocked "
-              "waiting for the lost one); resume with the same command (training.resume: auto)",
-              file=sys.stderr, flush=True)
+              f"in {Progress.describe(self.progress.state)}); {self.resume()}", file=sys.stderr, flush=True)
+        os._exit(self.EXIT_CODE)
+
+    def _stalled(self, state: tuple[str | None, float, bool, int | None]) -> None:
+        """The line of a rank whose watched phase outlasted stall_after: where every rank is, which one the
+        others wait for (the one behind: an earlier step or phase), and what to check."""
+        import sys
+        import time
+
+        now, mine = time.time(), (self.topo.rank, Progress.order(state), state[1], Progress.describe(state))
+        ranks = [mine]
+        for r in range(self.topo.world_size):
+            if r != self.topo.rank:
+                try:
+                    step, place, since, phase = self._store.get(f"zerotrain/phase/{r}").decode().split("\t", 3)
+                    ranks.append((r, (int(step), int(place)), float(since), phase))
+                except Exception:  # noqa: BLE001 - a rank that never published (or a store gone): unknown
+                    ranks.append((r, (-1, -1), now, "an unknown phase"))
+        behind = min(order for _, order, _, _ in ranks)
+        late = [(r, since, phase) for r, order, since, phase in ranks if order == behind]
+        others = "; ".join(f"rank {r} in {phase} for {now - since:.0f} s" for r, _, since, phase in sorted(ranks)
+                           if r != self.topo.rank and phase != mine[3])
+        if len(late) == len(ranks):
+            check = ("every rank waits in the same phase: a collective that never completes; check the network "
+                     "between the nodes (NCCL_DEBUG=INFO)")
+        elif any(r == self.topo.rank for r, _, _ in late):
+            check = f"the other ranks wait for this one: look at what it does in {mine[3]} (py-spy dump --pid)"
+        else:
+            check = (f"rank {late[0][0]} is behind, in {late[0][2]}: look at what it does there (py-spy dump --pid "
+                     "of its process)")
+        print(f"zerotrain: error: rank {self.topo.rank}: no progress for {now - state[1]:.0f} s in {mine[3]} "
+              f"(faults.collective_timeout_seconds={self.stall_after:g}){'; ' + others if others else ''}; {check}; "
+              f"stopping this rank; {self.resume()}", file=sys.stderr, flush=True)
         os._exit(self.EXIT_CODE)
 
     def describe(self) -> str:
+        if self.fault:
+            return self.fault
         if not self.lost:
             return "a collective failed, but every rank's heartbeat is still moving"
         ranks = ", ".join(str(r) for r in self.lost)
         return f"rank {ranks} was lost ({self.detail}: its process ended or its node went down)"
 
-    def verdict(self, wait: float | None = None) -> list[int] | None:
-        """The lost ranks, waiting up to `wait` seconds (default: long enough for a verdict) for the
-        thread to reach one; None if every rank is still alive. The caller then handles the loss:
-        the thread no longer ends the process."""
+    def verdict(self, wait: float | None = None) -> list[int] | str | None:
+        """The lost ranks, or the fault line another rank posted, waiting up to `wait` seconds (default: long
+        enough for a verdict) for the thread to reach one; None if every rank is still alive and none posted a
+        fault. The caller then handles it: the thread no longer ends the process."""
         self._handled.set()
         if self._thread is not None:
             self._found.wait(self.lost_after + 3 * self.interval if wait is None else wait)
-        return self.lost
+        return self.fault or self.lost
+
+    def post(self, line: str) -> None:
+        """This rank cannot go on: `line` (naming the rank and the phase) becomes the job's fault line unless
+        another rank's came first, and every other rank stops with it."""
+        import contextlib
+
+        if self._store is not None:  # without the store, the others stop at their collective's failure
+            with contextlib.suppress(Exception):
+                self._store.compare_set(FAULT_KEY, "", f"{self.topo.rank}\t{line}")
+
+    def everyone(self, key: str, within: float) -> bool:
+        """Whether every rank reaches `key` (each calls this with it) within `within` seconds of this rank: a rank
+        that ran out of memory asks whether the others did too, in the same step. True without a store (one
+        rank)."""
+        import time
+
+        if self._store is None:
+            return True
+        deadline, pause = time.monotonic() + within, 0.02
+        arrived = self._store.add(f"zerotrain/arrive/{key}", 1)
+        while arrived < self.topo.world_size and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(1.0, pause * 1.5)  # a long wait asks the store once a second
+            arrived = self._store.add(f"zerotrain/arrive/{key}", 0)
+        return arrived >= self.topo.world_size
 
     def stop(self) -> None:
+        global CURRENT
+        if CURRENT is self:
+            CURRENT = None
         self._handled.set()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.interval * 10)
         self._thread = None
         self._store = None
+
+
+# The running heartbeat of this process (None: one rank, or no store).
+CURRENT: Heartbeat | None = None
 
 
 def shutdown(clean: bool, heartbeat: Heartbeat | None = None) -> None:

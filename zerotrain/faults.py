@@ -15,10 +15,12 @@
   skips the optimizer step on all ranks together; non-finite gradients with a finite loss are
   caught by the same check. The loss is reported as it was, never replaced; skipped steps are
   counted, and faults.max_bad_steps consecutive ones stop the run with a checkpoint.
-- A CUDA out-of-memory error in the forward or backward of a run's first steps is recovered in
-  place (OomRecovery: the step dropped on every rank and run again with more recomputation);
-  otherwise it is turned into one message: the planner's prediction, what was measured, and the
-  next configuration the planner would choose with less memory.
+- A CUDA out-of-memory error in the forward or backward of a run's first steps, on every rank, is
+  recovered in place (OomRecovery: the step dropped on every rank and run again with more
+  recomputation); otherwise it is turned into one message: the planner's prediction, what was
+  measured, and the next configuration the planner would choose with less memory. On one rank
+  alone (Trainer.recoverable) the others wait inside the step's collectives, which it cannot join:
+  it posts its line (distributed.Heartbeat.post), and every rank stops with it.
 """
 
 from __future__ import annotations

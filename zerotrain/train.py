@@ -99,6 +99,10 @@ def collective_failure(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and any(k in text for k in ("gloo", "NCCL", "Connection reset", "Connection closed")))
 
 
+# Seconds the process groups' timeout exceeds faults.collective_timeout_seconds by (see start()).
+BACKSTOP_S = 60
+
+
 def warn(line: str) -> None:
     print(f"zerotrain: warning: {line}", file=sys.stderr, flush=True)
 
@@ -129,8 +133,11 @@ def start(run: RunConfig) -> int:
     if topo.world_size == 1:
         standalone_rendezvous()
     use_device(topo)
-    init_distributed(accelerator()[1], timedelta(seconds=run.faults.collective_timeout_seconds))
-    heartbeat = Heartbeat(topo, run.faults.lost_rank_seconds)
+    # The groups' own timeout, on every group (DeepSpeed's too), is the backstop: the heartbeat ends a rank
+    # whose phase outlasts faults.collective_timeout_seconds first, with one line (NCCL's watchdog would abort).
+    init_distributed(accelerator()[1], timedelta(seconds=run.faults.collective_timeout_seconds + BACKSTOP_S))
+    heartbeat = Heartbeat(topo, run.faults.lost_rank_seconds, stall_after=run.faults.collective_timeout_seconds,
+                          resume=lambda: resume_words(run))
     finished = False
     try:
         checkpoint = usable(run.output_dir, checkpoint, topo, fall_back=str(run.training.resume) == "auto")
@@ -138,6 +145,8 @@ def start(run: RunConfig) -> int:
         finished = True
     except Exception as err:
         if not collective_failure(err):
+            # The other ranks stop with this rank's line, wherever they wait (unless one posted first).
+            heartbeat.post(f"rank {topo.rank} stopped: {one_line(err, 300)}")
             raise
         raise lost_rank_error(err, heartbeat, run, topo) from err
     finally:
@@ -156,14 +165,18 @@ def start(run: RunConfig) -> int:
     return 0
 
 
-def lost_rank_error(err: BaseException, heartbeat: Heartbeat, run: RunConfig, topo: Topology) -> ZerotrainError:
-    lost = heartbeat.verdict()
+def resume_words(run: RunConfig) -> str:
+    """How to go on after a stop: the latest complete checkpoint, and the command."""
     latest = find(run.output_dir, "auto")
     where = f"{latest} is the latest complete checkpoint" if latest else "no checkpoint was completed yet"
+    return f"{where}: resume with the same command (training.resume: auto)"
+
+
+def lost_rank_error(err: BaseException, heartbeat: Heartbeat, run: RunConfig, topo: Topology) -> ZerotrainError:
+    lost = heartbeat.verdict()
     what = heartbeat.describe() if lost else \
         f"a collective failed ({one_line(err, 200)}) while every rank's heartbeat still moves"
-    return ZerotrainError(f"rank {topo.rank}: {what}; stopping; {where}: resume with the same command "
-                          "(training.resume: auto)")
+    return ZerotrainError(f"rank {topo.rank}: {what}; stopping; {resume_words(run)}")
 
 
 def fit(run: RunConfig, spec: ModelSpec, topo: Topology, checkpoint: Path | None) -> bool:

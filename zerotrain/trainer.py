@@ -30,7 +30,7 @@ import torch
 
 from zerotrain import families
 from zerotrain.config.sections import FaultInjection, RunConfig
-from zerotrain.distributed import Topology
+from zerotrain.distributed import PROGRESS, Topology
 from zerotrain.errors import ZerotrainError, one_line
 from zerotrain.faults import StopSignal, oom_advice
 from zerotrain.monitor import Monitor, StepTimes, measured_peaks
@@ -57,31 +57,46 @@ def train_step(engine: Any, next_micro_batch: Callable[[int], MicroBatch], accum
     for index in range(accumulation):
         failed = forward_backward(engine, next_micro_batch, index, laps, losses)
         if failed is not None:  # raised here, outside the handler, so that nothing holds the step's tensors
-            raise StepOutOfMemory(failed)
-        engine.step()  # the optimizer step at the accumulation boundary
+            raise StepOutOfMemory(*failed)
+        if index == accumulation - 1:
+            PROGRESS.at("optimizer step")
+        try:
+            engine.step()  # the optimizer step at the accumulation boundary
+        except torch.OutOfMemoryError as err:
+            raise StepOutOfMemory(str(err), "optimizer step") from err
         laps.lap("optimizer")
     return torch.stack(losses).mean()
 
 
 class StepOutOfMemory(torch.OutOfMemoryError):
-    """A micro-batch's forward or backward ran out of memory (not the optimizer step: its states
-    may be half-made, and more checkpointing would not shrink them). Its message is the original's."""
+    """A step ran out of memory in `phase`: a micro-batch's forward or backward (which recovery may drop and run
+    again), or the optimizer step (which it may not: its states may be half-made, and more checkpointing would
+    not shrink them). Its message is the original's."""
+
+    def __init__(self, message: str, phase: str):
+        super().__init__(message)
+        self.phase = phase
+        self.alone = False  # it ran out of memory on this rank, not on every rank (Trainer.recoverable)
 
 
 def forward_backward(engine: Any, next_micro_batch: Callable[[int], MicroBatch], index: int, laps: Laps,
-                     losses: list[torch.Tensor]) -> str | None:
-    """One micro-batch's forward and backward; the out-of-memory error's message if one ran out."""
+                     losses: list[torch.Tensor]) -> tuple[str, str] | None:
+    """One micro-batch's forward and backward; the out-of-memory error's message and phase if one ran out."""
+    phase = "data"
     try:
+        PROGRESS.at(phase)
         kwargs, loss_of = next_micro_batch(index)
         laps.lap("data")
+        PROGRESS.at(phase := "forward")
         pred = engine(**kwargs, return_dict=False)[0]
         loss = loss_of(pred)
+        PROGRESS.at(phase := "backward")
         engine.backward(loss)
         losses.append(loss.detach().float())
         del kwargs, pred, loss  # not held through the next micro-batch's forward
         laps.lap("forward_backward")
     except torch.OutOfMemoryError as err:
-        return str(err)
+        return str(err), phase
     return None
 
 
@@ -99,8 +114,7 @@ class DataFeed:
     """The run's micro-batches: the loader's batches (a new epoch at an epoch's end, which falls on
     a step boundary, data/sampler.py), noised by the objective with this rank's generator. A step
     dropped after running out of memory runs again on the same batches and noise (begin, rewind).
-    The tests' fault injections (RunConfig.testing) act here: a CUDA out-of-memory error before the forward of a
-    step's last micro-batch (once per step), a non-finite loss on rank 0 (tests)."""
+    A test's non-finite loss (RunConfig.testing.nan_at) is made here, on rank 0."""
 
     def __init__(self, loader: Any, sampler: Any, objective: Any, generator: torch.Generator, device: torch.device,
                  faults: FaultInjection, is_main: bool, accumulation: int = 1):
@@ -114,7 +128,7 @@ class DataFeed:
         self.taken: list[Any] = []  # this step's batches so far
         self.replay: list[Any] = []  # a dropped step's batches, to run again
         self.noise_state = generator.get_state()
-        self.injected: set[int] = set()
+        self.index = 0  # the micro-batch of the step being trained, counted from 0
 
     def begin(self, step: int) -> None:
         self.step, self.taken, self.noise_state = step, [], self.generator.get_state()
@@ -137,15 +151,56 @@ class DataFeed:
         return batch
 
     def __call__(self, index: int) -> MicroBatch:
+        self.index = index
         batch = self.next_batch()
         self.taken.append(batch)
         inputs = self.objective.prepare(batch, self.generator)
-        if self.step in self.faults.oom_at and self.step not in self.injected \
-                and index == self.accumulation - 1:  # every rank, as a failed CUDA allocation would
-            self.injected.add(self.step)
-            raise torch.OutOfMemoryError(f"CUDA out of memory (testing.oom_at, step {self.step})")
         poison = self.step in self.faults.nan_at and self.is_main and index == 0
         return to_device(inputs.model_kwargs, self.device), _Loss(self.objective, inputs, self.device, poison)
+
+
+class InjectedOom:
+    """testing.oom_at: a CUDA out-of-memory error in the last micro-batch of the listed steps, once each, on
+    testing.oom_rank (every rank when unset, as the same shapes would fail on every GPU), in testing.oom_phase:
+    raised in the middle checkpoint unit's forward, from a gradient hook of its output half-way through the
+    backward, or in the optimizer's step inside engine.step(), so that the other ranks are wherever the real
+    failure would leave them (in DeepSpeed's gathers and reductions, at ZeRO 0-3)."""
+
+    def __init__(self, faults: FaultInjection, rank: int, feed: DataFeed):
+        self.faults, self.rank, self.feed = faults, rank, feed
+        self.done: set[int] = set()
+
+    def armed(self, phase: str) -> bool:
+        feed, faults = self.feed, self.faults
+        return (phase == faults.oom_phase and feed.step in faults.oom_at and feed.step not in self.done
+                and feed.index == feed.accumulation - 1 and faults.oom_rank in (None, self.rank))
+
+    def fire(self, phase: str) -> None:
+        if self.armed(phase):
+            self.done.add(self.feed.step)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (testing.oom_at, step {self.feed.step}, {phase})")
+
+    def install(self, engine: Any, model: torch.nn.Module) -> None:
+        from zerotrain.recompute import checkpoint_units
+
+        if not self.faults.oom_at:
+            return
+        units = list(checkpoint_units(model).values())
+        units[len(units) // 2].register_forward_hook(self._forward)
+        optimizer, step = engine.optimizer, engine.optimizer.step
+
+        def stepping(*args: Any, **kwargs: Any) -> Any:
+            self.fire("optimizer step")
+            return step(*args, **kwargs)
+
+        optimizer.step = stepping
+
+    def _forward(self, _module: Any, _inputs: Any, output: Any) -> None:
+        self.fire("forward")
+        if self.armed("backward"):
+            for tensor in output if isinstance(output, tuple) else (output,):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda _grad: self.fire("backward"))
 
 
 @dataclasses.dataclass
@@ -203,6 +258,7 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         from zerotrain.checkpoint import save
 
+        PROGRESS.at("checkpoint")
         faults = self.run.testing
         state = {**self.components["counter"].state_dict(),
                  **{name: c.state_dict() for name, c in self.components.items() if name != "counter"}}
@@ -306,13 +362,15 @@ class Trainer:
         lr = engine.get_lr()[0]  # this step's learning rate (engine.step() moves the schedule on)
         times = StepTimes(self.device)
         self.feed.begin(counter.step + 1)
+        PROGRESS.step = counter.step + 1
         micro_steps, failure = engine.micro_steps, None
         try:
             loss = train_step(engine, self.feed, accumulation, times)
         except StepOutOfMemory as err:
-            if self.recovery is None or not self.recovery.allowed(counter.step + 1):
+            if not self.recoverable(err, counter.step + 1):
                 raise
             failure, loss = one_line(err, 200), torch.tensor(float("nan"))
+        PROGRESS.at("agreement")
         mean_loss, stopping, ran_out = agree(loss, bool(self.stop.received), self.topo, self.device, failure is not None)
         if ran_out:  # the failed step's tensors were released with the exception
             self.drop_step(micro_steps, failure)
@@ -326,6 +384,7 @@ class Trainer:
                           None if grad_norm is None else float(grad_norm), times, skipped)
         self.monitor.memory_check(step)
         if self.ema is not None and not skipped:
+            PROGRESS.at("EMA update")
             self.ema.update(step)
         if bad.record(skipped):
             raise bad.error(step, self.checkpointer.save(step))
@@ -338,6 +397,24 @@ class Trainer:
             return False
         self.validate(step)
         return True
+
+    def recoverable(self, err: StepOutOfMemory, step: int) -> bool:
+        """Whether every rank drops `step`, which ran out of memory here, and runs it again: in the recovery window
+        (faults.OomRecovery.allowed), in a forward or backward, and only when every rank ran out of memory in it
+        too (the same shapes fail on every GPU). A rank that ran out alone cannot be waited for: the others are
+        inside the step's collectives (ZeRO-3's gathers, the gradients' reduction), which it will not join; it
+        waits faults.lost_rank_seconds for the others, then the run stops (run_loop: the line goes to every
+        rank)."""
+        from zerotrain import distributed
+
+        if err.phase == "optimizer step" or self.recovery is None or not self.recovery.allowed(step):
+            return False
+        heartbeat = distributed.CURRENT
+        if heartbeat is None or heartbeat.everyone(f"oom/{step}/{self.recovery.retries_left}",
+                                                   self.run.faults.lost_rank_seconds):
+            return True
+        err.alone = True
+        return False
 
     def drop_step(self, micro_steps: int, failure: str | None) -> None:
         """Every rank drops the step that ran out of memory on one of them, frees what it held, and
@@ -366,6 +443,7 @@ class Trainer:
         validator = self.validator
         if validator is None or not validator.due(step, self.run.training.max_steps, resumed=self.resumed):
             return
+        PROGRESS.at("validation")
         with self.ema.applied() if self.run.validation.use_ema else contextlib.nullcontext():
             paths = validator.render(denoiser(self.engine), step, self.run.output_dir, self.monitor.writer)
         if paths:
@@ -425,6 +503,7 @@ def build_trainer(planned: RunPlan, folder: Path, topo: Topology, device: torch.
     checkpointer = Checkpointer(engine, run, topo, {"objective": generator}, {"counter": counter, "sampler": sampler},
                                 ema)
     feed = DataFeed(loader, sampler, objective, generator, device, run.testing, topo.is_main, layout.accumulation)
+    InjectedOom(run.testing, topo.rank, feed).install(engine, model)
     return Trainer(engine, run, topo, device, feed, counter, checkpointer, StopSignal(run.faults.grace_seconds),
                    ema=ema)
 
@@ -465,9 +544,17 @@ def run_loop(trainer: Trainer, planned: RunPlan, device: torch.device) -> bool:
     try:
         return trainer.fit(planned.layout.accumulation)
     except torch.OutOfMemoryError as err:
+        from zerotrain import distributed
+
         measured, used = measured_peaks(device), trainer.recovery.current
+        step, phase = trainer.counter.step + 1, getattr(err, "phase", "step")
+        where = f"rank {trainer.topo.rank} ran out of memory in the {phase} of step {step}"
+        alone = " (the other ranks did not: a step is dropped only when every rank ran out in it)" \
+            if getattr(err, "alone", False) else ""
+        if distributed.CURRENT is not None:  # every other rank stops with it, wherever it waits
+            distributed.CURRENT.post(f"{where}{alone} ({one_line(err, 160)})")
         raise ZerotrainError(
-            f"CUDA out of memory at step {trainer.counter.step + 1} with {describe(used.layout)}{moves(trainer)}: "
+            f"CUDA out of memory: {where}{alone} with {describe(used.layout)}{moves(trainer)}: "
             f"the planner predicted {gib(used.memory.device_total)} per GPU, the peak measured on this rank was "
             f"{gib(measured['max_allocated'] or 0)} allocated, {gib(measured['max_reserved'] or 0)} reserved "
             f"({one_line(err, 200)}). {oom_advice(planned.result, used, run.planner.headroom)}. "

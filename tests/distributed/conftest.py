@@ -102,16 +102,16 @@ def start_ranks(args: list[str], log_dir: Path, name: str, world: int = WORLD,
 
 
 def run_ranks(args: list[str], log_dir: Path, name: str, timeout: float = TIMEOUT_S,
-              world: int = WORLD, slurm: bool = False) -> tuple[list[int], list[Path], float]:
+              world: int = WORLD, slurm: bool = False, patience: float = 15) -> tuple[list[int], list[Path], float]:
     """start_ranks, and wait for them. A rank that exits non-zero may leave the others waiting in a
-    collective: they are stopped 15 s later. Returns the exit codes, each rank's log and the
+    collective: they are stopped `patience` seconds later. Returns the exit codes, each rank's log and the
     seconds taken."""
     started = time.monotonic()
     procs, logs = start_ranks(args, log_dir, name, world, slurm)
     deadline = started + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if any(p.poll() not in (None, 0) for p in procs):  # the others get a moment to fail on their own
-            deadline = min(deadline, time.monotonic() + 15)
+            deadline = min(deadline, time.monotonic() + patience)
         time.sleep(0.2)
     for proc in procs:
         if proc.poll() is None:

@@ -13,6 +13,17 @@
 
 Every rerun after a fault must reproduce the uninterrupted run's losses exactly, so a resume that
 loaded the wrong state, or a half-written one, cannot pass.
+
+The faults as real launchers and GPUs make them, beside this suite:
+- test_preemption.py: the stop signal sent as Slurm and torchrun send it, to the whole process group with the
+  DataLoader workers on (data.num_workers: 2): SIGTERM and SIGUSR1 to srun-style ranks, SIGINT to torchrun's;
+- test_one_rank_oom.py: out-of-memory on one rank only (testing.oom_rank), half-way through the forward or the
+  backward or in the optimizer step, at ZeRO 0-3 with and without overlap_comm, while the other rank waits in
+  DeepSpeed's gathers and reductions: every rank stops within seconds with the failing rank's line;
+  test_oom_recovery.py: on every rank at once, recovered;
+- test_collective_timeout.py: a live rank that never joins (its data hangs) while the other waits in a
+  reduction on DeepSpeed's own group: both stop after faults.collective_timeout_seconds with one line each,
+  and a group made through DeepSpeed times out as the world group does.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_the_oom_handler_reports_the_measured_peak(shared_cache, tmp_path):
     done = train_on_gpu(shared_cache, tmp_path, "testing.oom_at=[2]", "faults.oom_recovery_steps=0")
     assert done.returncode == 2, done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]
-    assert re.search(r"CUDA out of memory at step 2 with ZeRO-\d.*the peak measured on this rank was "
+    assert re.search(r"CUDA out of memory: rank 0 ran out of memory in the forward of step 2 with ZeRO-\d.*the peak measured on this rank was "
                      r"\d+\.\d GiB allocated, \d+\.\d GiB reserved", line), line
     assert "Traceback" not in done.stderr
 

@@ -99,7 +99,8 @@ def test_training_continues_on_another_world_size(train, stage, before, after):
     errors = [line for line in stopped.log.splitlines() if line.startswith("zerotrain: error:")]
     assert len(errors) == 1 and "Traceback" not in stopped.log, stopped.tails()
     assert re.fullmatch(
-        rf"zerotrain: error: CUDA out of memory at step 3 with ZeRO-{stage}, (no )?checkpointing, micro-batch \d+ "
+        rf"zerotrain: error: CUDA out of memory: rank 0 ran out of memory in the forward of step 3 with ZeRO-{stage}, "
+        r"(no )?checkpointing, micro-batch \d+ "
         r"x accumulation \d+: the planner predicted \d+\.\d GiB per GPU, the peak measured on this rank was "
         r"0\.0 GiB allocated, 0\.0 GiB reserved \(CUDA out of memory.*\)\. --set planner\.headroom=0\.\d{4} makes "
         rf"the planner choose ZeRO-{stage}, .+ \(predicted \d+\.\d GiB per GPU\)\. The last checkpoint is untouched",

@@ -604,14 +604,19 @@ class FaultsConfig(_Section):
     """Out-of-memory recoveries a run makes at most; the next one stops it with one line (the last
     checkpoint is kept)."""
     collective_timeout_seconds: float = Field(1800.0, gt=0)
-    """Timeout of the process group's collectives: a rank that waits this long for the others
-    stops with an error instead of hanging. It must exceed the longest one-rank pause every other
-    rank waits through (rank 0 converting a checkpoint to universal format on resume, writing a
-    checkpoint). A rank whose process dies is noticed sooner, by heartbeats (lost_rank_seconds)."""
+    """How long a phase of the training loop (a step's data, forward, backward, optimizer step,
+    agreement; a checkpoint; validation) may last before its rank stops with one line saying where
+    every rank is: a collective that a live rank never joins, on any group, DeepSpeed's included,
+    on any backend. Every process group's own timeout is 60 s longer (the backstop; NCCL's
+    watchdog abort). It must exceed the longest phase (a checkpoint write, validation); waits for
+    one rank's long work (a download, the cache build, a universal conversion) are not limited. A
+    rank whose process dies is noticed sooner, by heartbeats (lost_rank_seconds)."""
     lost_rank_seconds: float = Field(30.0, gt=0)
     """A rank whose heartbeat (a counter every rank's background thread advances each second in the
     rendezvous store) has not moved for this long is lost: every other rank names it and stops,
-    also when it is blocked in a collective that would otherwise wait for the timeout."""
+    also when it is blocked in a collective that would otherwise wait for the timeout. Also how
+    long a rank that ran out of memory waits for the others to run out in the same step (then
+    every rank drops it) before it stops them all."""
 
 
 class FaultInjection(_Section):
@@ -622,9 +627,14 @@ class FaultInjection(_Section):
     save_failure_at: list[int] = []
     """Steps whose checkpoint fails to write on rank 0, as with a full disk."""
     oom_at: list[int] = []
-    """Optimizer steps whose last micro-batch raises torch.OutOfMemoryError before its forward on every
-    rank (after the earlier micro-batches' backward), once each, as CUDA does when an allocation fails
-    (exercises the recovery and the out-of-memory message)."""
+    """Optimizer steps whose last micro-batch raises torch.OutOfMemoryError, once each, as CUDA does when an
+    allocation fails (after the earlier micro-batches' backward; trainer.InjectedOom): exercises the
+    recovery, the one-rank stop and the out-of-memory line."""
+    oom_rank: int | None = Field(None, ge=0)
+    """The one rank that runs out of memory at oom_at (fragmentation, another process on its GPU); every
+    rank when unset."""
+    oom_phase: Literal["forward", "backward", "optimizer step"] = "forward"
+    """Where in the step it does: half-way through the forward or the backward, or in the optimizer's step."""
     kill: KillPoint | None = None
     """SIGKILL every rank at a point of one checkpoint write, e.g. `{step: 4, point: optimizer}` (points:
     before_model, optimizer, before_latest)."""

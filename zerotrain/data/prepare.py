@@ -23,7 +23,7 @@ from zerotrain.data.cache import (
 )
 from zerotrain.data.dataset import Discovery, Verdict, discover, enforce, epoch_samples
 from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
-from zerotrain.distributed import Topology, barrier, gather_objects
+from zerotrain.distributed import Topology, barrier, gather_objects, patient_barrier
 from zerotrain.errors import ZerotrainError
 from zerotrain.faults import ignore_stop_signals
 from zerotrain.models.catalog import check_trainable
@@ -91,7 +91,7 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
     discovery.verdicts += skipped
     enforce(discovery, run.data)
     report = build(planned, run, spec, source, topo.rank, topo.world_size, device)
-    barrier()
+    patient_barrier("every rank's share of the cache build")
     # One verdict an item: a control that does not decode rejects both its text and its latents (edit models
     # whose text encoder reads it), on one rank or two.
     rejected = list({v.path: v for part in gather_objects(report.rejected) for v in part}.values())

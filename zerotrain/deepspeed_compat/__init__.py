@@ -36,6 +36,11 @@ The reaches, by what they serve, and their guard:
 - The optimizer's master dtype (master_dtype), DeepSpeed's op report for `zerotrain doctor`
   (op_report: git_version_info, op_builder.all_ops) and whether an op came installed with DeepSpeed
   (prebuilt, for `zerotrain build-ops` in zerotrain/ops.py: git_version_info).
+- The timeout of DeepSpeed's own process groups (init_distributed, group_timeouts): deepspeed.comm's
+  TorchBackend.new_group(ranks) (comm/torch.py) passes no timeout, so its groups (the data-parallel clone of the
+  world where ZeRO reduces and gathers, ZeRO++'s, the sequence-parallel ones) took torch's default (10 minutes
+  on NCCL) instead of the world's; the backend's new_group is wrapped to pass it. Guard: only on a tested
+  version, with new_group present; elsewhere one warning.
 - CPU ranks without a compiler (init_distributed): deepspeed.comm's TorchBackend builds the CPU
   accelerator's shared-memory collective op just in time (comm/torch.py build_shm_op), which fails
   where no C++ compiler is installed (zerotrain's Docker image). The op is marked incompatible in

@@ -152,6 +152,33 @@ def init_distributed(backend: str, timeout: Any = None) -> None:
     elif accelerator.device_name() == "cpu":
         say_jit_builds(["deepspeed_shm_comm"])  # comm/torch.py build_shm_op, as the process group starts
     deepspeed.init_distributed(dist_backend=backend, **({"timeout": timeout} if timeout is not None else {}))
+    if timeout is not None:
+        group_timeouts(timeout)
+
+
+def group_timeouts(timeout: Any) -> None:
+    """Give the groups DeepSpeed makes the world group's timeout. deepspeed.comm's TorchBackend.new_group(ranks)
+    (comm/torch.py) calls torch.distributed.new_group without one, which then takes torch's default (10 minutes
+    on NCCL, 30 on gloo), not the world's: its data-parallel clone of the world (utils/groups.py
+    _clone_world_group, where ZeRO's reductions and gathers run), ZeRO++'s and the sequence-parallel groups.
+    The backend's new_group is wrapped to pass `timeout`. Guard: on a tested version, with the backend's
+    new_group present; elsewhere one warning, and DeepSpeed's groups keep torch's default."""
+    import sys
+
+    import torch
+    from deepspeed import comm
+
+    backend = getattr(comm.comm, "cdb", None)
+    if not versions.check("deepspeed").is_tested or not callable(getattr(backend, "new_group", None)):
+        print(f"zerotrain: warning: DeepSpeed {versions.installed('deepspeed')} is not a tested version: its own "
+              "process groups keep torch's default timeout (faults.collective_timeout_seconds covers the world "
+              "group's)", file=sys.stderr, flush=True)
+        return
+
+    def new_group(ranks: Any) -> Any:
+        return torch.distributed.new_group(ranks, timeout=timeout)
+
+    backend.new_group = new_group
 
 
 def release_process_state(module: torch.nn.Module | None = None) -> list[str]:
