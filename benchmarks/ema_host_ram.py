@@ -4,7 +4,7 @@ without the EMA and once with ema.enabled and validation.use_ema, validation ren
 Every rank's host RSS (VmRSS; the DataLoader's workers off) is sampled ten times a second, summed over the node
 and tagged with the phase rank 0's files show. In each phase, the highest node RSS of the run with the EMA less
 that of the run without is what the EMA costs there, compared with what the plan adds for it: training (steps
-2 on, before the last: "training with EMA" less "offload", memory.ema_bytes) and validation (from the last
+2 on, before the last: "training" less "offload", memory.ema_bytes, with no DataLoader workers) and validation (from the last
 step's record until rank 0 says where the images went: the trained masters beside the EMA, twice that). Goal:
 within 10% in both. On the CPU accelerator the device is the host, so only the difference of the two runs is
 the EMA's. Writes benchmarks/results/ema_host_ram.json.
@@ -22,7 +22,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -31,6 +33,7 @@ from benchmarks.soak import rss_bytes
 from tests.distributed.conftest import WORLD, logged_steps, start_ranks, tiny_data, train_args
 from zerotrain.models.tiny import ensure_tiny_pipeline
 
+T = TypeVar("T")
 # Rank 0's line once its validation images of a step are written (Trainer.validate; step 0's come first).
 VALIDATED = "validation images of step {}:"
 # A FLUX.1 transformer about 2000 times tiny-flux's, with its in/out and text widths (the encoders' and VAE's).
@@ -52,21 +55,16 @@ def model_folder(work: Path) -> tuple[Path, int]:
     return folder, sum(p.numel() for p in model.parameters())
 
 
-def node_rss(args: list[str], log_dir: Path, name: str, out: Path, last: int) -> list[tuple[str, int]]:
-    """Run the ranks; (the phase, the sum of their RSS) ten times a second: "step N" while N steps are logged,
-    "validation" from the last step's record until rank 0 says where its validation images went, "after" then."""
+def sampled(args: list[str], log_dir: Path, name: str, probe: Callable[[list[Any]], T]) -> list[T]:
+    """Run the ranks of `args`; probe(their processes) ten times a second until they end (also for
+    loader_workers_ram.py). An exit code other than 0 ends the benchmark with the ranks' logs."""
     procs, logs = start_ranks(args, log_dir, name)
-    samples: list[tuple[str, int]] = []
+    samples: list[T] = []
     done = threading.Event()
-
-    def phase() -> str:
-        if VALIDATED.format(last) in logs[0].read_text(errors="replace"):
-            return "after"
-        return f"step {logged_steps(out)}"
 
     def sample() -> None:
         while not done.is_set():
-            samples.append((phase(), sum(rss_bytes(p.pid) or 0 for p in procs)))
+            samples.append(probe(procs))
             time.sleep(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -77,6 +75,19 @@ def node_rss(args: list[str], log_dir: Path, name: str, out: Path, last: int) ->
     if any(codes):
         raise SystemExit(f"{name}: exit codes {codes}\n" + "\n".join(log.read_text()[-3000:] for log in logs))
     return samples
+
+
+def node_rss(args: list[str], log_dir: Path, name: str, out: Path, last: int) -> list[tuple[str, int]]:
+    """Run the ranks; (the phase, the sum of their RSS) ten times a second: "step N" while N steps are logged,
+    "validation" from the last step's record until rank 0 says where its validation images went, "after" then."""
+    log0 = log_dir / f"{name}.rank0.log"
+
+    def phase() -> str:
+        if log0.exists() and VALIDATED.format(last) in log0.read_text(errors="replace"):
+            return "after"
+        return f"step {logged_steps(out)}"
+
+    return sampled(args, log_dir, name, lambda procs: (phase(), sum(rss_bytes(p.pid) or 0 for p in procs)))
 
 
 def highest(samples: list[tuple[str, int]], phases: list[str]) -> int:
@@ -113,7 +124,7 @@ def main() -> int:
                           "planned_host_terms": planned(out)}
             print(f"{name}: {rows[name]}", flush=True)
     terms = rows["with EMA"]["planned_host_terms"]
-    planned_bytes = {"training": terms["training with EMA"] - terms["offload"],
+    planned_bytes = {"training": terms["training"] - terms["offload"],
                      "validation": terms["validation"] - terms["offload"]}
     comparison = {}
     for phase, predicted in planned_bytes.items():

@@ -57,7 +57,8 @@ def objective_of(folder, **config):
 def test_validation_counts_the_unconditional_transformer_each_rank_loads_into_host_memory(tmp_path, monkeypatch, capsys):
     """Training loads one transformer; a run with validation prompts also loads the unconditional one on
     every rank while it renders (host memory; group-offloaded to the GPU a block at a time): the plan's
-    host RAM per node has a validation phase of the offload's buffers plus 8 bf16 copies of it."""
+    host RAM per node has a validation phase of training's (the offload's buffers, the DataLoader workers) plus
+    8 bf16 copies of it."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
     def chosen(*extra: str) -> dict:
@@ -68,7 +69,7 @@ def test_validation_counts_the_unconditional_transformer_each_rank_loads_into_ho
     validating = chosen("--set", "validation.prompts=['a cat']")
     assert "validation" not in plain["host_terms"]
     terms = validating["host_terms"]
-    assert terms["validation"] == terms["offload"] + 8 * 2 * PARAMETERS["ideogram-4"]
+    assert terms["validation"] == terms["training"] + 8 * 2 * PARAMETERS["ideogram-4"]
     assert validating["host_per_node"] == terms["validation"] > plain["host_per_node"]
 
 

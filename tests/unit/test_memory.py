@@ -6,6 +6,7 @@ import pytest
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
+from zerotrain.config.sections import PlannerConfig
 from zerotrain.planner import memory
 from zerotrain.planner.memory import Buffers, Layout, Sizes
 
@@ -201,10 +202,10 @@ def test_the_ema_is_in_the_host_ram_a_plan_counts(stage, world, per_node):
     layout = Layout(stage, offload_optimizer="cpu" if stage else "none")
     plain = sizes(world, per_node)
     offload = memory.host_bytes(layout, plain)["offload"]
-    assert "training with EMA" not in memory.host_bytes(layout, plain)
+    assert "training" not in memory.host_bytes(layout, plain)
     with_ema = memory.host_bytes(layout, dataclasses.replace(plain, ema=True))
     share = P if stage == 0 else -(-P // world)
-    assert with_ema["training with EMA"] == offload + per_node * 4 * share
+    assert with_ema["training"] == offload + per_node * 4 * share
     assert "validation" not in with_ema
     validating = memory.host_bytes(layout, dataclasses.replace(plain, ema=True, ema_validation=True))
     assert validating["validation"] == offload + 2 * per_node * 4 * share
@@ -228,11 +229,30 @@ def test_a_plan_with_the_ema_counts_it_and_refuses_a_host_it_does_not_fit(tmp_pa
         return plan_for_run(run, resolve_model(run.model)).result
 
     without, with_ema = plan("512GiB"), plan("512GiB", ema={"enabled": True})
-    assert "training with EMA" not in without.chosen.memory.host_terms
-    assert with_ema.chosen.memory.host_terms["training with EMA"] >= 4 * P
+    workers = 8 * 2 * PlannerConfig().loader_worker_bytes  # data.num_workers: 2 per rank
+    assert without.chosen.memory.host_terms["training"] == without.chosen.memory.host_terms["offload"] + workers
+    assert with_ema.chosen.memory.host_terms["training"] >= 4 * P + workers
     rendering = plan("512GiB", ema={"enabled": True}, validation={"prompts": ["a cat"], "use_ema": True}).chosen
     assert rendering.memory.host_terms["validation"] >= 2 * 4 * P
     assert plan("48GiB").chosen is not None
     refused = plan("48GiB", ema={"enabled": True})
     assert refused.chosen is None
     assert any("host RAM per node" in (c.rejected or "") for c in refused.candidates)
+
+
+def test_a_plan_counts_the_dataloader_workers_host_ram(tmp_path):
+    """Issue 48 §6: each rank's data.num_workers DataLoader workers are processes of their own, alive while the run
+    trains and validates: the plan's training phase holds planner.loader_worker_bytes for each of the node's."""
+    from zerotrain.config import RunConfig
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.entry import plan_for_run
+
+    def terms(workers: int) -> dict[str, int]:
+        run = RunConfig.model_validate({"model": {"name_or_path": "flux-dev"}, "training": {"mode": "lora"},
+                                        "hardware": {"gpus": "8xA100-80GB", "host_memory": "512GiB"},
+                                        "data": {"num_workers": workers}, "planner": {"cache_dir": str(tmp_path)}})
+        return plan_for_run(run, resolve_model(run.model)).result.chosen.memory.host_terms
+
+    none, four = terms(0), terms(4)
+    assert "training" not in none
+    assert four["training"] == four["offload"] + 8 * 4 * PlannerConfig().loader_worker_bytes

@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from zerotrain.optimizers import CLIENT_OPTIMIZERS, OPTIMIZERS
 
+# planner.loader_worker_bytes: one DataLoader worker's host RAM. benchmarks/loader_workers_ram.py measured 20 MiB of
+# a node's PSS per worker (a forked worker shares nearly all of its rank's pages); the rest is room for the batches
+# it prefetches (data prefetch 2, each up to 4 samples of a 1024-px latent and a 512-token T5 embedding: 36 MiB).
+LOADER_WORKER_BYTES = 64 * 2**20
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _BYTE_UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -471,6 +475,10 @@ class PlannerConfig(_Section):
     the first steps added outside the allocator. 1098 MiB (1.07 GiB): the first GPU's measurement
     (one H200, one rank, torch 2.11.0+cu130;
     benchmarks/results/h200-2026-11-28-flux-dev-2b-lora.calibration.json). calibrate measures it."""
+    loader_worker_bytes: int = Field(LOADER_WORKER_BYTES, ge=0)
+    """Host RAM of one DataLoader worker (data.num_workers per rank): the pages of the rank's Python heap it
+    copies after the fork, its allocator's arenas and prefetched batches; not the model's weights, which it
+    never touches. Measured by benchmarks/loader_workers_ram.py (benchmarks/results/loader_workers_ram.json)."""
     fragmentation: float = Field(0.10, ge=0.0, le=1.0)
     """Allocator overhead as a fraction of allocated bytes (reserved/allocated - 1): 10-50% with
     changing shapes, low with expandable_segments."""

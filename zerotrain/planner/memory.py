@@ -109,6 +109,10 @@ class Sizes:
     ema: bool = False
     """ema.enabled: every rank keeps the EMA of the trainable elements its optimizer partition owns on the host
     (zerotrain/ema.py)."""
+    loader_bytes: int = 0
+    """Host RAM of one rank's DataLoader workers: data.num_workers processes forked from the rank, each
+    planner.loader_worker_bytes (the rank's Python heap a worker touches, its prefetched batches;
+    benchmarks/loader_workers_ram.py), alive while the run trains and validates."""
     ema_validation: bool = False
     """Validation renders with the EMA (validation.use_ema, with prompts): while it does, each rank holds its
     trained masters on the host beside the EMA (ShardedEMA.applied)."""
@@ -539,19 +543,20 @@ def load_bytes(layout: Layout, s: Sizes) -> int:
 
 def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, int]:
     """Host RAM per node, by phase: loading (load_bytes), offload (the node's ranks' offload buffers,
-    each pinned allocation as torch's host allocator rounds it), training with an EMA (the offload's
-    buffers and the node's EMA, ema_bytes) and, where rendering validation images loads more weights into
-    host memory or renders with the EMA, validation (the offload's buffers and the EMA stay; every rank of
-    the node holds its own copy of those weights while it renders, and its trained masters beside the
-    EMA it renders with)."""
+    each pinned allocation as torch's host allocator rounds it), training where it holds more (the offload's
+    buffers, the node's EMA, ema_bytes, and its DataLoader workers, loader_bytes) and, where rendering validation
+    images loads more weights into host memory or renders with the EMA, validation (what training holds stays;
+    every rank of the node holds its own copy of those weights while it renders, and its trained masters
+    beside the EMA it renders with)."""
     b = b or Buffers()
     offload = int(sum(host_buffers(layout, s, b).values()) * b.host_offload_factor)
-    ema = ema_bytes(layout, s)
+    ema, workers = ema_bytes(layout, s), s.gpus_per_node * s.loader_bytes
     terms = {"model load": int(load_bytes(layout, s)), "offload": offload}
-    if ema:
-        terms["training with EMA"] = offload + ema
+    if ema or workers:
+        terms["training"] = offload + ema + workers
     if s.validation_host_bytes or s.ema_validation:
-        terms["validation"] = offload + ema * (2 if s.ema_validation else 1) + s.gpus_per_node * s.validation_host_bytes
+        terms["validation"] = (offload + ema * (2 if s.ema_validation else 1) + workers
+                               + s.gpus_per_node * s.validation_host_bytes)
     return terms
 
 

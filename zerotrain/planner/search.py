@@ -133,6 +133,7 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         offload_activation_bytes=tuple(facts.offload_input_bytes),
         load_whole=run.model.load is Loading.whole or run.training.lora.use_dora,
         validation_host_bytes=validation_host_bytes(facts, run),
+        loader_bytes=run.data.num_workers * run.planner.loader_worker_bytes,
         ema=run.ema.enabled, ema_validation=run.ema.enabled and run.validation.use_ema and bool(run.validation.prompts),
     )
 
@@ -633,4 +634,6 @@ def suggest_gpu_memory(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> 
     smallest = min(evaluate(layout, facts, hw, run).memory.device_total
                    for layout in layouts(run, hw, check_batch(run, hw)))
     needed = smallest / (1 - run.planner.headroom)
-    return f"GPUs with at least {gib(needed)} each" if needed > hw.gpu_memory_bytes else None
+    # Rounded up to the 0.1 GiB it is printed with: a GPU of the printed size must fit it.
+    return f"GPUs with at least {math.ceil(needed / 2**30 * 10) / 10:.1f} GiB each" if needed > hw.gpu_memory_bytes \
+        else None
