@@ -31,6 +31,8 @@ WORLD = 2
 # A tiny run takes 20-40 s on two cores (most of it imports, model load and deepspeed.initialize);
 # the first offloaded run may JIT-compile DeepSpeed's CPU Adam (minutes, then cached).
 TIMEOUT_S = 600
+# faults.collective_timeout_seconds of the tests' runs: a stall ends with every rank's line, within TIMEOUT_S.
+STALL_S = 240
 
 
 @dataclass
@@ -186,7 +188,10 @@ class Trainer:
         self.tmp_path = tmp_path
         # Every tiny parameter is below ZeRO-3's default persistence threshold (100k elements), which
         # would keep them all whole on every rank: with 0, ZeRO-3 runs partition and gather for real.
-        self.base = [*tiny_data(cache), "planner.stage3_param_persistence_threshold=0"]
+        # A rank stalled in a phase of the loop (a tiny run's take seconds) ends itself, naming where every rank
+        # is, long before the test's own limit (TIMEOUT_S) would kill it without a word.
+        self.base = [*tiny_data(cache), "planner.stage3_param_persistence_threshold=0",
+                     f"faults.collective_timeout_seconds={STALL_S}"]
         self.calls = 0
 
     def run_config(self, *overrides: str):

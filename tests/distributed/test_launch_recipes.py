@@ -6,12 +6,15 @@ example, the planner told the topology so that plan.json says world_size 2):
   path, which runs a single host locally without ssh), stopped by SIGTERM as `docker stop` would:
   the ranks checkpoint and everything exits 0;
 - the Slurm batch script, run by bash with stand-ins for srun and scontrol: SIGUSR1 to the tasks
-  (what --signal=USR1@N does before the time limit) checkpoints, exits 0, and requeues the job.
+  (what --signal=USR1@N does before the time limit) checkpoints, exits 0, and requeues the job; SIGTERM to every
+  process of the job (a preemption: the batch shell, srun, the ranks and their DataLoader workers) too, the batch
+  shell waiting for its ranks instead of dying of the signal (which would end the job before their checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -98,8 +101,9 @@ def test_deepspeed_hostfile_recipe_runs_one_host_locally_and_stops_cleanly(train
 
 FAKE_SRUN = """#!{python}
 # srun as a batch step runs it on one node: one task per SLURM_NTASKS, each with its SLURM_PROCID and
-# SLURM_LOCALID, the job's environment otherwise (options such as --kill-on-bad-exit are ignored).
-import os, subprocess, sys
+# SLURM_LOCALID, the job's environment otherwise (options such as --kill-on-bad-exit are ignored). A stop signal
+# does not end it: srun passes it on to the tasks (here they got it already) and waits for them.
+import os, signal, subprocess, sys
 args = sys.argv[1:]
 while args and args[0].startswith("--"):
     args.pop(0)
@@ -107,6 +111,8 @@ tasks = [subprocess.Popen(args, env={{**os.environ, "SLURM_PROCID": str(i), "SLU
          for i in range(int(os.environ["SLURM_NTASKS"]))]
 with open(os.environ["FAKE_SLURM_TASKS"], "w") as out:
     out.write(" ".join(str(t.pid) for t in tasks))
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    signal.signal(sig, lambda *_: None)
 sys.exit(max(t.wait() for t in tasks))
 """
 
@@ -128,13 +134,16 @@ def slurm_job_id() -> int:
     raise RuntimeError("no free port in 20000-39999")
 
 
-def test_sbatch_script_checkpoints_on_the_time_limit_signal_and_requeues(train, tmp_path):
+@pytest.mark.parametrize("preemption", [False, True], ids=["time-limit-USR1-to-the-tasks", "SIGTERM-to-the-job"])
+def test_sbatch_script_checkpoints_on_a_stop_signal_and_requeues(train, tmp_path, preemption):
     """The generated sbatch script, run as Slurm would run it on one node with 2 tasks: the
     rendezvous comes from scontrol and SLURM_JOB_ID, srun starts train.py, and SIGUSR1 sent to the
-    tasks (what --signal=USR1@N does before the time limit) makes zerotrain checkpoint and exit 0;
-    the run is not finished, so the script requeues the job."""
+    tasks (what --signal=USR1@N does before the time limit), or SIGTERM to every process of the job, DataLoader
+    workers included (a preemption), makes zerotrain checkpoint and exit 0, and the batch shell with it; the run
+    is not finished, so the script requeues the job."""
     out = tmp_path / "slurm"
-    overrides = [f"output_dir={out}", *train.base, *STEPS[2:], "training.max_steps=1000", "faults.grace_seconds=60"]
+    overrides = [f"output_dir={out}", *train.base, *STEPS[2:], "training.max_steps=1000", "faults.grace_seconds=60",
+                 f"data.num_workers={2 if preemption else 0}"]
     args = launch_args(overrides, "--launcher", "slurm", "--gpus-per-node", "2", "--requeue")
     script = launch.make_recipe(args, environ={}).files["zerotrain.sbatch"]
     assert "#SBATCH --signal=USR1@120" in script
@@ -154,22 +163,39 @@ def test_sbatch_script_checkpoints_on_the_time_limit_signal_and_requeues(train, 
     log = tmp_path / "job.log"
     with log.open("w") as handle:
         job = subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], env=env, stdout=handle, stderr=subprocess.STDOUT,
-                               cwd=REPO)
+                               cwd=REPO, process_group=0)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT_S
     while job.poll() is None and time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text()):
         time.sleep(0.1)
     assert job.poll() is None, f"the job ended before the signal:\n{log.read_text()[-4000:]}"
-    for pid in (tmp_path / "tasks").read_text().split():
-        os.kill(int(pid), signal.SIGUSR1)
+    tasks = [int(pid) for pid in (tmp_path / "tasks").read_text().split()]
+    if preemption:
+        os.killpg(job.pid, signal.SIGTERM)
+    else:
+        for pid in tasks:
+            os.kill(pid, signal.SIGUSR1)
     try:
         rc = job.wait(timeout=90)
+        ranks_left = [pid for pid in tasks if alive(pid)]
     finally:
-        job.kill()
+        with contextlib.suppress(ProcessLookupError):  # whatever of the job is left
+            os.killpg(job.pid, signal.SIGKILL)
     text = log.read_text()
-    assert rc == 0, text[-4000:]
+    sig = "SIGTERM" if preemption else "SIGUSR1"
+    assert rc == 0 and not ranks_left, (rc, ranks_left, text[-4000:])
     assert json.loads((out / "plan.json").read_text())["world_size"] == 2
     done = len(metrics.read_text().splitlines())
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{done:08d}"
-    assert f"stopped by SIGUSR1 during step {done + 1}" in text, text[-4000:]
+    assert f"stopped by {sig} during step {done + 1}" in text and "DataLoader worker" not in text, text[-4000:]
     assert (tmp_path / "calls").read_text().split() == ["requeue", str(job_id)]
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (not a zombie its parent has yet to reap)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

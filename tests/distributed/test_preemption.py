@@ -36,6 +36,7 @@ STEPS = 8
 COMMON = ("planner.stages=[2]", "planner.offload=[none]", "training.resume=auto", "training.checkpoint_every=1000",
           "data.num_workers=2", f"training.max_steps={STEPS}", "faults.collective_timeout_seconds=120")
 STOP_AFTER = 3
+LAUNCHERS = {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner"}
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +53,17 @@ def straight(trainer) -> list[float]:
 
 def start_job(launcher: str, out: Path, overrides: list[str], log: Path) -> list[subprocess.Popen]:
     """The job's processes, the first leading a new process group the others join: two ranks as srun starts
-    them (ranks from SLURM_*), or torchrun's agent, which starts the ranks itself."""
+    them (ranks from SLURM_*), or torchrun's agent, or the DeepSpeed launcher (`deepspeed --num_gpus 2`: its
+    runner starts launch.py, which starts the ranks), each of which starts the ranks itself."""
     env = {k: v for k, v in process_env().items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
     args = train_args(out, overrides)
     port = free_port()
     with log.open("w") as sink:
-        if launcher == "torchrun":
-            return [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-                                      "--master_port", str(port), *args], env=env, stdout=sink,
-                                     stderr=subprocess.STDOUT, process_group=0)]
+        if launcher in LAUNCHERS:
+            return [subprocess.Popen([sys.executable, "-m", LAUNCHERS[launcher], "--master_port", str(port),
+                                      f"--{'nproc_per_node' if launcher == 'torchrun' else 'num_gpus'}", str(WORLD),
+                                      *args], env=env, stdout=sink, stderr=subprocess.STDOUT, process_group=0)]
         first = subprocess.Popen([sys.executable, "-u", *args], env={**env, **rank_env(0, WORLD, port, True)},
                                  stdout=sink, stderr=subprocess.STDOUT, process_group=0)
         return [first, *(subprocess.Popen([sys.executable, "-u", *args], env={**env, **rank_env(r, WORLD, port, True)},
@@ -75,20 +77,43 @@ def signal_the_job(processes: list[subprocess.Popen], out: Path, sig: int) -> li
     while time.monotonic() < deadline and all(p.poll() is None for p in processes) and logged_steps(out) < STOP_AFTER:
         time.sleep(0.05)
     assert all(p.poll() is None for p in processes), "the job ended before it could be signalled"
-    os.killpg(processes[0].pid, sig)
+    group = processes[0].pid
+    os.killpg(group, sig)
     codes = []
     for process in processes:
         try:
             codes.append(process.wait(timeout=150))
         except subprocess.TimeoutExpired:
-            os.killpg(processes[0].pid, signal.SIGKILL)
+            os.killpg(group, signal.SIGKILL)
             codes.append(None)
+    deadline = time.monotonic() + 150  # a launcher may leave before its ranks (DeepSpeed's runner does)
+    while time.monotonic() < deadline and group_alive(group):
+        time.sleep(0.1)
+    if group_alive(group):
+        os.killpg(group, signal.SIGKILL)
+        codes.append(None)
     return codes
+
+
+def group_alive(group: int) -> bool:
+    """Whether a process of the group is still running (not a zombie waiting for its parent)."""
+    import psutil
+
+    return any(p.info["status"] != psutil.STATUS_ZOMBIE for p in psutil.process_iter(["status"])
+               if _pgid(p.pid) == group)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 @pytest.mark.parametrize(("launcher", "sig"), [
     pytest.param(launcher, sig, id=f"{launcher}-{sig.name}")
-    for launcher, sig in (("srun", signal.SIGTERM), ("srun", signal.SIGUSR1), ("torchrun", signal.SIGINT))])
+    for launcher, sig in (("srun", signal.SIGTERM), ("srun", signal.SIGUSR1), ("torchrun", signal.SIGINT),
+                          ("deepspeed", signal.SIGTERM))])
 def test_a_signal_to_the_whole_job_with_data_workers_checkpoints_and_resumes_exactly(launcher, sig, trainer,
                                                                                        straight):
     name = f"{launcher}-{sig.name}"
@@ -102,8 +127,11 @@ def test_a_signal_to_the_whole_job_with_data_workers_checkpoints_and_resumes_exa
     assert f"stopped by {sig.name} during step {done + 1}" in text, text[-4000:]
     if launcher == "srun":
         assert codes == [0] * WORLD and "Traceback" not in text, (codes, text[-4000:])
-    else:  # the agent was signalled too, and ends with its own SignalException; a rank that failed, it reports
-        assert codes[0] is not None and "ChildFailedError" not in text, (codes, text[-4000:])
+    elif launcher == "torchrun":  # the agent was signalled too, and ends with its own SignalException; a rank
+        assert codes[0] is not None and "ChildFailedError" not in text, (codes, text[-4000:])  # that failed, it reports
+    else:  # the runner leaves at once; launch.py passes SIGTERM on and gives its ranks 30 s before SIGKILL
+        assert None not in codes and "Traceback" not in text and "exits with return code" not in text, \
+            (codes, text[-4000:])
     assert STOP_AFTER <= done < STEPS
     assert (out / "checkpoints" / tag_for(done) / "zerotrain_state.json").is_file()
     resumed = trainer(name, *COMMON).check()

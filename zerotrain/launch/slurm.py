@@ -71,7 +71,14 @@ def sbatch_script(train_args: list[str], *, nodes: int, gpus_per_node: int, grac
         lines += ["# srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05).",
                   'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
                   'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$SLURM_CPUS_PER_TASK}"']
-    lines += ["", "srun --kill-on-bad-exit=1 " + shlex.join(srun)]
+    lines += ["", "# Slurm signals this batch shell too (a preemption's SIGTERM, scancel): it waits for the job step, whose",
+              "# ranks checkpoint and exit 0, instead of dying of the signal and ending the job before they are done.",
+              ("trap 'echo \"zerotrain: the batch shell got a stop signal: waiting for the ranks to checkpoint\" >&2' "
+               "TERM INT USR1"),
+              "srun --kill-on-bad-exit=1 " + shlex.join(srun) + " &",
+              "SRUN_PID=$! status=0",
+              "while kill -0 \"$SRUN_PID\" 2>/dev/null; do status=0; wait \"$SRUN_PID\" || status=$?; done",
+              "if [[ $status -ne 0 ]]; then exit \"$status\"; fi"]
     if requeue:
         done = shlex.quote(f"{output_dir}/export/export.json")
         lines += ["", "# Stopped by the time-limit signal before the last step (the export is written at the end):",
