@@ -54,12 +54,17 @@ def straight(trainer) -> list[float]:
 def start_job(launcher: str, out: Path, overrides: list[str], log: Path) -> list[subprocess.Popen]:
     """The job's processes, the first leading a new process group the others join: two ranks as srun starts
     them (ranks from SLURM_*), or torchrun's agent, or the DeepSpeed launcher (`deepspeed --num_gpus 2`: its
-    runner starts launch.py, which starts the ranks), each of which starts the ranks itself."""
+    runner starts launch.py, which starts the ranks), or `zerotrain launch --run` over torchrun, each of which
+    starts the ranks itself."""
     env = {k: v for k, v in process_env().items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM_")}
     args = train_args(out, overrides)
     port = free_port()
     with log.open("w") as sink:
+        if launcher == "zerotrain-launch":  # its own --set flags as train.py's; the rendezvous the recipe's
+            return [subprocess.Popen([sys.executable, "-m", "zerotrain.cli", "launch", *args[1:], "--launcher",
+                                      "torchrun", "--gpus", str(WORLD), "--master-port", str(port), "--run"],
+                                     env=env, stdout=sink, stderr=subprocess.STDOUT, process_group=0)]
         if launcher in LAUNCHERS:
             return [subprocess.Popen([sys.executable, "-m", LAUNCHERS[launcher], "--master_port", str(port),
                                       f"--{'nproc_per_node' if launcher == 'torchrun' else 'num_gpus'}", str(WORLD),
@@ -113,7 +118,7 @@ def _pgid(pid: int) -> int | None:
 @pytest.mark.parametrize(("launcher", "sig"), [
     pytest.param(launcher, sig, id=f"{launcher}-{sig.name}")
     for launcher, sig in (("srun", signal.SIGTERM), ("srun", signal.SIGUSR1), ("torchrun", signal.SIGINT),
-                          ("deepspeed", signal.SIGTERM))])
+                          ("deepspeed", signal.SIGTERM), ("zerotrain-launch", signal.SIGINT))])
 def test_a_signal_to_the_whole_job_with_data_workers_checkpoints_and_resumes_exactly(launcher, sig, trainer,
                                                                                        straight):
     name = f"{launcher}-{sig.name}"
@@ -127,7 +132,7 @@ def test_a_signal_to_the_whole_job_with_data_workers_checkpoints_and_resumes_exa
     assert f"stopped by {sig.name} during step {done + 1}" in text, text[-4000:]
     if launcher == "srun":
         assert codes == [0] * WORLD and "Traceback" not in text, (codes, text[-4000:])
-    elif launcher == "torchrun":  # the agent was signalled too, and ends with its own SignalException; a rank
+    elif launcher in ("torchrun", "zerotrain-launch"):  # the agent was signalled too, and ends with its own SignalException; a rank
         assert codes[0] is not None and "ChildFailedError" not in text, (codes, text[-4000:])  # that failed, it reports
     else:  # the runner leaves at once; launch.py passes SIGTERM on and gives its ranks 30 s before SIGKILL
         assert None not in codes and "Traceback" not in text and "exits with return code" not in text, \

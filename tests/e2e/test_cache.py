@@ -255,3 +255,24 @@ def test_an_alpha_channel_is_the_mask_with_data_mask_alpha(model_dir, tmp_path):
     expected = alpha.reshape(32, 2, 32, 2).mean(axis=(1, 3)) / 255
     assert np.allclose(samples["cut.png"]["loss_mask"].numpy(), expected)
     assert torch.equal(samples["opaque.png"]["loss_mask"], torch.ones(32, 32))
+
+
+def test_the_cache_command_reads_kohya_repeat_folders_and_says_so(model_dir, images, tmp_path, capsys):
+    """Issue 49: a kohya train_data_dir (10_subject/, 1_class/) through zerotrain cache: each folder's images
+    count N times in the epoch, and the summary names the folders. Every image is encoded once."""
+    root = tmp_path / "train_data_dir"
+    for folder, names in (("10_ohwx", ["img0", "img1"]), ("1_class", ["img2", "img3", "img4"])):
+        (root / folder).mkdir(parents=True)
+        for name in names:
+            for suffix in (".png", ".txt"):
+                shutil.copy(images / f"{name}{suffix}", root / folder / f"{name}{suffix}")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{name_or_path: {model_dir}}}\n"
+                      f"data: {{datasets: [{{path: {root}}}], resolution: 64, bucket_step: 16, min_image_size: 16, "
+                      f"cache_dir: {tmp_path / 'cache'}}}\ntraining: {{global_batch_size: 1}}\n")
+    assert main(["cache", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "5 images, 23 samples per epoch with repeats" in out, out
+    assert ("data.datasets[0]: kohya repeat folders, each image counted N times: 10_ohwx x10, 1_class x1 "
+            "(data.datasets[0].folder_repeats: false reads them as plain folders)") in out, out
+    assert "cache ready at" in out and ": 5 images, 23 samples per epoch" in out, out

@@ -119,3 +119,31 @@ def test_no_datasets_or_bad_path_is_one_line(tmp_path):
     not_a_manifest.write_text("a.png\n")
     with pytest.raises(ZerotrainError, match=r"data\.datasets\[0\]\.path: .* neither a folder nor a \.jsonl"):
         discover(config(not_a_manifest))
+
+
+def test_kohya_repeat_folders_count_their_images_n_times_and_say_so(tmp_path):
+    """Issue 49: kohya's train_data_dir of <N>_<name> folders: N repeats each (times the dataset's repeats), a 0_
+    folder left out with a note, other folders once; the summary lists them; folder_repeats: false reads them as
+    plain folders."""
+    for folder, count in (("10_ohwx person", 2), ("1_person", 3), ("0_unused", 1), ("plain", 1)):
+        for n in range(count):
+            image(tmp_path / folder / f"{n}.png")
+    image(tmp_path / "top.png")
+    image(tmp_path / "3_nested" / "deeper" / "x.png")  # the first-level folder counts, however deep the image
+
+    def repeats(found):
+        return sorted((str(i.image.relative_to(tmp_path).parent), i.repeats) for i in found.items)
+
+    found = discover(config(tmp_path))
+    assert repeats(found) == [(".", 1), ("10_ohwx person", 10), ("10_ohwx person", 10), ("1_person", 1),
+                              ("1_person", 1), ("1_person", 1), ("3_nested/deeper", 3), ("plain", 1)]
+    assert len(found.samples()) == 1 + 20 + 3 + 3 + 1
+    assert [(v.path.parent.name, v.rejected) for v in found.verdicts if "kohya folder" in v.reason] == [("0_unused", False)]
+    assert ("data.datasets[0]: kohya repeat folders, each image counted N times: 0_unused x0, 10_ohwx person x10, "
+            "1_person x1, 3_nested x3 (data.datasets[0].folder_repeats: false reads them as plain folders)"
+            ) in found.summary()
+    tripled = discover(DataConfig(datasets=[{"path": str(tmp_path), "repeats": 3}], min_image_size=16))
+    assert len(tripled.samples()) == 3 * len(found.samples())
+    plain = discover(DataConfig(datasets=[{"path": str(tmp_path), "folder_repeats": False}], min_image_size=16))
+    assert {i.repeats for i in plain.items} == {1} and len(plain.items) == 9 and not plain.repeat_folders
+    assert not any("kohya repeat folders" in line for line in plain.summary())

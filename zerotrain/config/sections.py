@@ -206,6 +206,10 @@ class DatasetConfig(_Section):
     JSONL manifest of {"image": path, "caption": text} lines, paths relative to the manifest."""
     repeats: int = Field(1, ge=1, le=10_000)
     """How many times each image of this dataset counts per epoch."""
+    folder_repeats: bool = True
+    """kohya's repeat folders: an image under a first-level folder of the dataset named <N>_<name>
+    (10_ohwx person) counts N times per epoch (times repeats), as kohya reads it; a 0_ folder is left
+    out. The cache's summary lists them. false: they are plain folders."""
     caption_extension: str = ".txt"
     """Extension of sidecar caption files (folders only)."""
     caption_prefix: str = ""

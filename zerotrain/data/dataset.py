@@ -94,6 +94,8 @@ class Discovery:
     verdicts: list[Verdict] = field(default_factory=list)
     shares: dict[int, float] = field(default_factory=dict)
     """Dataset index -> its share of each epoch, for the datasets that set one."""
+    repeat_folders: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Dataset index -> its kohya repeat folders (folder_repeats) that hold images, by name: their N."""
 
     @property
     def rejected(self) -> list[Verdict]:
@@ -106,6 +108,10 @@ class Discovery:
     def summary(self) -> list[str]:
         """Counts by reason with the first few paths, for the person running the job."""
         lines = [f"{len(self.items)} images, {len(self.samples())} samples per epoch with repeats"]
+        for index, folders in self.repeat_folders.items():
+            named = ", ".join(f"{name} x{n}" for name, n in sorted(folders.items()))
+            lines.append(f"data.datasets[{index}]: kohya repeat folders, each image counted N times: {named} "
+                         f"(data.datasets[{index}].folder_repeats: false reads them as plain folders)")
         for rejected, label in ((True, "rejected"), (False, "note")):
             by_reason = Counter(v.reason for v in self.verdicts if v.rejected == rejected)
             for reason, count in by_reason.most_common():
@@ -167,6 +173,16 @@ class Entry:
 
 # musubi-tuner's manifest keys for control images: control_path_0, control_path_1, ...
 _MUSUBI_CONTROL = re.compile(r"^control_path_(\d+)$")
+# kohya's repeat folder: <N>_<name>, directly in the dataset's folder.
+_KOHYA_FOLDER = re.compile(r"^(\d+)_(.+)$")
+
+
+def folder_repeat(root: Path, image: Path) -> tuple[str, int] | None:
+    """The kohya repeat folder (its name and N) an image of the folder dataset at `root` is in: its first-level
+    folder, when named <N>_<name>."""
+    parts = image.relative_to(root).parts
+    found = _KOHYA_FOLDER.match(parts[0]) if len(parts) > 1 else None
+    return (parts[0], int(found.group(1))) if found else None
 
 
 def _folder_entries(dataset: DatasetConfig, discovery: Discovery) -> list[Entry]:
@@ -281,6 +297,7 @@ def discover(data: DataConfig) -> Discovery:
         if dataset.share is not None:
             discovery.shares[index] = dataset.share
         items_before = len(discovery.items)
+        kohya = dataset.folder_repeats and dataset.path.is_dir()
         for entry in entries:
             image, texts, mask_file = entry.image, entry.texts, entry.mask
             if not image.is_file():
@@ -289,6 +306,14 @@ def discover(data: DataConfig) -> Discovery:
             if entry.missing:
                 discovery.verdicts.append(Verdict(image, entry.missing))
                 continue
+            repeats, folder = dataset.repeats, folder_repeat(dataset.path, image) if kohya else None
+            if folder is not None:
+                discovery.repeat_folders.setdefault(index, {})[folder[0]] = folder[1]
+                if folder[1] == 0:
+                    discovery.verdicts.append(Verdict(image, f"in kohya folder {folder[0]}: 0 repeats, not trained "
+                                                             "(as kohya reads it)", rejected=False))
+                    continue
+                repeats *= folder[1]
             if texts is None:
                 if data.missing_caption == "skip":
                     discovery.verdicts.append(Verdict(image, "no caption (skipped by data.missing_caption)"))
@@ -310,7 +335,7 @@ def discover(data: DataConfig) -> Discovery:
                 discovery.verdicts.append(Verdict(image, problem))
                 continue
             variants = caption_variants(texts, dataset)
-            discovery.items.append(Item(image, variants[0], info.width, info.height, index, dataset.repeats,
+            discovery.items.append(Item(image, variants[0], info.width, info.height, index, repeats,
                                         variants, dropout, dataset.loss_weight, mask, entry.controls, sizes))
         _same_control_count(discovery, items_before, index)
     return discovery
