@@ -154,14 +154,20 @@ def test_loader_reads_one_bucket_per_batch_from_the_cache(model_dir, images, tmp
         assert batch["latent_mean"].shape[-2:] == (height // 2, width // 2)  # tiny VAE: factor 2
 
 
-def test_cache_command_prints_summary_and_histogram(model_dir, images, tmp_path, capsys):
-    (images / "broken.png").write_bytes(b"")
+def cache_command(model_dir, images, tmp_path, capsys, extra: str = "") -> str:
+    """zerotrain cache --config run.yaml over the folder `images` (`extra`: more of the data section, then more
+    YAML); its output."""
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {{name_or_path: {model_dir}}}\n"
                       f"data: {{datasets: [{{path: {images}}}], resolution: 64, bucket_step: 16, min_image_size: 16, "
-                      f"cache_dir: {tmp_path / 'cache'}, max_rejected_fraction: 0.5}}\n")
+                      f"cache_dir: {tmp_path / 'cache'}{extra}}}\n")
     assert main(["cache", "--config", str(config)]) == 0
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_cache_command_prints_summary_and_histogram(model_dir, images, tmp_path, capsys):
+    (images / "broken.png").write_bytes(b"")
+    out = cache_command(model_dir, images, tmp_path, capsys, ", max_rejected_fraction: 0.5")
     assert "rejected: empty file: 1" in out
     assert "x" in out and "%" in out  # the bucket histogram
     assert "cache ready" in out
@@ -266,12 +272,7 @@ def test_the_cache_command_reads_kohya_repeat_folders_and_says_so(model_dir, ima
         for name in names:
             for suffix in (".png", ".txt"):
                 shutil.copy(images / f"{name}{suffix}", root / folder / f"{name}{suffix}")
-    config = tmp_path / "run.yaml"
-    config.write_text(f"model: {{name_or_path: {model_dir}}}\n"
-                      f"data: {{datasets: [{{path: {root}}}], resolution: 64, bucket_step: 16, min_image_size: 16, "
-                      f"cache_dir: {tmp_path / 'cache'}}}\ntraining: {{global_batch_size: 1}}\n")
-    assert main(["cache", "--config", str(config)]) == 0
-    out = capsys.readouterr().out
+    out = cache_command(model_dir, root, tmp_path, capsys, "}\ntraining: {global_batch_size: 1")
     assert "5 images, 23 samples per epoch with repeats" in out, out
     assert ("data.datasets[0]: kohya repeat folders, each image counted N times: 10_ohwx x10, 1_class x1 "
             "(data.datasets[0].folder_repeats: false reads them as plain folders)") in out, out
