@@ -80,7 +80,7 @@ def test_ranks_blocked_by_a_live_peer_stop_after_the_collective_timeout_with_one
         waited = time.monotonic() - hung
         tails = "\n".join(f"--- rank {r}\n{text[-3000:]}" for r, text in enumerate(texts()))
         assert [proc.poll() for proc in procs] == [3, 3], f"{waited:.0f} s after rank 1 hung:\n{tails}"
-        assert waited >= TIMEOUT_S - 2, f"stopped {waited:.1f} s after rank 1 hung, before the timeout:\n{tails}"
+        assert waited >= TIMEOUT_S - 5, f"stopped {waited:.1f} s after rank 1 hung, before the timeout:\n{tails}"
         errors = [[line for line in text.splitlines() if line.startswith("zerotrain: error:")] for text in texts()]
         assert [len(e) for e in errors] == [1, 1] and "Traceback" not in tails, tails
         latest = "step-00000002 is the latest complete checkpoint: resume with the same command"
