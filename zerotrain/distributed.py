@@ -163,9 +163,6 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-_patient = iter(range(1, 1 << 62))
-
-
 def patient_barrier(what: str) -> None:
     """A barrier after one rank's long work (a node's download, a share of the cache build, a checkpoint's
     conversion), which may outlast any collective timeout (20 GB of encoders): the ranks meet in the rendezvous
@@ -176,7 +173,8 @@ def patient_barrier(what: str) -> None:
         barrier()
         return
     with PROGRESS.during(f"wait for {what}", watched=False):
-        heartbeat.everyone(f"barrier/{next(_patient)}", float("inf"))
+        heartbeat.barriers += 1  # every rank of the job counts its barriers alike
+        heartbeat.everyone(f"barrier/{heartbeat.barriers}", float("inf"))
 
 
 def gather_objects(value: object) -> list[object]:
@@ -356,6 +354,7 @@ class Heartbeat:
         self.progress = progress
         self.lost: list[int] | None = None
         self.fault: str | None = None
+        self.barriers = 0  # patient_barrier's, in this job
         self.detail = ""
         self._found = threading.Event()
         self._handled = threading.Event()

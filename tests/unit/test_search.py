@@ -210,3 +210,23 @@ def test_regression_guard_h200_flux_dev_2_blocks_lora_step_time_within_1_5x_at_e
         assert 1 / 1.5 < measured / predicted < 1.5, (row["config"], predicted, measured)
         stages.add(layout.stage)
     assert stages == {0, 1, 2, 3}
+
+
+def test_one_gpu_considers_zero3_only_with_its_parameters_offloaded():
+    """Issue 50 §3: on one GPU a ZeRO-3 partition is the whole tensor, so ZeRO-3 without parameter offload saves
+    nothing over ZeRO 0-2 and only adds fetches: it is no candidate there, unless planner.stages asks for it
+    alone. On two GPUs it stays one."""
+    def zero3(gpus: str, *overrides: str) -> dict[tuple[str, str], set[str | None]]:
+        found: dict[tuple[str, str], set[str | None]] = {}
+        for c in plan(facts(), hw(gpus), run_with("hardware.host_memory=1TiB", *overrides)).candidates:
+            if c.layout.stage == 3:
+                found.setdefault((c.layout.offload_optimizer, c.layout.offload_param), set()).add(
+                    c.rejected and c.rejected.split(":")[0])
+        return found
+
+    one = zero3("1xA100-80GB")  # still candidates, rejected: calibrate measures them
+    for unoffloaded in (("none", "none"), ("cpu", "none")):  # none fits; those that would are rejected for it
+        assert None not in one[unoffloaded] and "one GPU" in one[unoffloaded], one
+    assert None in one[("cpu", "cpu")]
+    assert None in zero3("1xA100-80GB", "planner.stages=[3]")[("none", "none")]
+    assert None in zero3("2xA100-80GB")[("none", "none")]

@@ -305,6 +305,14 @@ def activation_margin(layout: Layout, facts: ModelFacts, run: RunConfig) -> int:
     return math.ceil(run.planner.activation_margin * uncheckpointed_bytes(layout, facts))
 
 
+def pointless_zero3(layout: Layout, hw: HardwareFacts, run: RunConfig) -> bool:
+    """ZeRO-3 on one GPU without its parameters offloaded, where the search has other stages: its partition is the
+    whole tensor (one H200: 2.75 GB allocated at ZeRO-3 against 2.36 GB at ZeRO-0, 8x the step's time). evaluate
+    rejects it rather than leave it out, so that calibrate still measures it (its fetch latency); no memory makes it
+    worth suggesting."""
+    return layout.stage == 3 and layout.offload_param == "none" and hw.world_size == 1 and set(run.planner.stages) != {3}
+
+
 def evaluate(layout: Layout, facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Candidate:
     s = sizes_from(facts, hw, run)
     acts = activations(layout, facts)
@@ -320,6 +328,9 @@ def evaluate(layout: Layout, facts: ModelFacts, hw: HardwareFacts, run: RunConfi
         rejected = f"needs {gib(memory.host_per_node)} host RAM per node > {gib(host_budget)}"
     elif memory.nvme_per_node and (nvme_budget is None or memory.nvme_per_node > nvme_budget):
         rejected = f"needs {gib(memory.nvme_per_node)} NVMe per node > {gib(nvme_budget or 0)}"
+    elif pointless_zero3(layout, hw, run):
+        rejected = ("one GPU: ZeRO-3 without its parameters offloaded saves nothing over ZeRO 0-2 (its partition is "
+                    "the whole tensor) and adds a fetch per module; planner.stages: [3] alone allows it")
     terms = step_time(layout, facts, hw, s, run)
     seconds = sum(terms.values())
     images = layout.micro_batch * layout.accumulation * hw.world_size / seconds
@@ -619,7 +630,8 @@ def suggest_host_memory(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) ->
     node has less: offloading trades GPU memory for host RAM, so a plan can fail on the host alone."""
     gpu_budget, _, nvme_budget = budgets(hw, run)
     hosts = [c.memory.host_per_node for c in (evaluate(layout, facts, hw, run)
-                                              for layout in layouts(run, hw, check_batch(run, hw)))
+                                              for layout in layouts(run, hw, check_batch(run, hw))
+                                              if not pointless_zero3(layout, hw, run))
              if c.memory.device_total <= gpu_budget
              and (not c.memory.nvme_per_node or (nvme_budget is not None and c.memory.nvme_per_node <= nvme_budget))]
     if not hosts:
@@ -632,7 +644,7 @@ def suggest_host_memory(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) ->
 
 def suggest_gpu_memory(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> str | None:
     smallest = min(evaluate(layout, facts, hw, run).memory.device_total
-                   for layout in layouts(run, hw, check_batch(run, hw)))
+                   for layout in layouts(run, hw, check_batch(run, hw)) if not pointless_zero3(layout, hw, run))
     needed = smallest / (1 - run.planner.headroom)
     # Rounded up to the 0.1 GiB it is printed with: a GPU of the printed size must fit it.
     return f"GPUs with at least {math.ceil(needed / 2**30 * 10) / 10:.1f} GiB each" if needed > hw.gpu_memory_bytes \
