@@ -390,7 +390,7 @@ class Heartbeat:
         seen = {r: -1 for r in others}
         moved = {r: time.monotonic() for r in others}
         reachable = time.monotonic()
-        published = None
+        published = snapshot = None
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             state = self.progress.state
@@ -421,9 +421,16 @@ class Heartbeat:
                 self._declare(lost, f"no heartbeat for {self.lost_after:.0f} s")
                 return
             phase, since, watched, _ = state
-            if self.stall_after is not None and watched and phase is not None and \
-                    time.time() - since >= self.stall_after:
-                self._stalled(state)
+            if self.stall_after is None or not watched or phase is None:
+                continue
+            if snapshot is None or snapshot[0] != state:
+                snapshot = (state, None)
+            if time.time() - since >= self.stall_after / 2 and snapshot[1] is None:
+                # Where the others are, read while they are all alive: the stalled ranks end together, and the
+                # store ends with rank 0's process.
+                snapshot = (state, self._phases())
+            if time.time() - since >= self.stall_after:
+                self._stalled(state, snapshot[1] or {})
                 return
 
     def _declare(self, lost: list[int], detail: str, fault: str | None = None) -> None:
@@ -437,34 +444,47 @@ class Heartbeat:
               f"in {Progress.describe(self.progress.state)}); {self.resume()}", file=sys.stderr, flush=True)
         os._exit(self.EXIT_CODE)
 
-    def _stalled(self, state: tuple[str | None, float, bool, int | None]) -> None:
-        """The line of a rank whose watched phase outlasted stall_after: where every rank is, which one the
-        others wait for (the one behind: an earlier step or phase), and what to check."""
+    def _phases(self) -> dict[int, tuple[tuple[int, int], float, str]]:
+        """The other ranks' published phases (their order, since when, in words); those that cannot be read are
+        left out."""
+        import contextlib
+
+        found = {}
+        for r in range(self.topo.world_size):
+            # A rank that never published, or a store gone: left out.
+            with contextlib.suppress(Exception):
+                if r != self.topo.rank:
+                    step, place, since, phase = self._store.get(f"zerotrain/phase/{r}").decode().split("\t", 3)
+                    found[r] = ((int(step), int(place)), float(since), phase)
+        return found
+
+    def _stalled(self, state: tuple[str | None, float, bool, int | None],
+                 earlier: dict[int, tuple[tuple[int, int], float, str]]) -> None:
+        """The line of a rank whose watched phase outlasted stall_after: where every rank is (as the store says now,
+        else as it said half-way, `earlier`), which one the others wait for (the one behind: an earlier step or
+        phase), and what to check."""
         import sys
         import time
 
-        now, mine = time.time(), (self.topo.rank, Progress.order(state), state[1], Progress.describe(state))
-        ranks = [mine]
-        for r in range(self.topo.world_size):
-            if r != self.topo.rank:
-                try:
-                    step, place, since, phase = self._store.get(f"zerotrain/phase/{r}").decode().split("\t", 3)
-                    ranks.append((r, (int(step), int(place)), float(since), phase))
-                except Exception:  # noqa: BLE001 - a rank that never published (or a store gone): unknown
-                    ranks.append((r, (-1, -1), now, "an unknown phase"))
-        behind = min(order for _, order, _, _ in ranks)
-        late = [(r, since, phase) for r, order, since, phase in ranks if order == behind]
-        others = "; ".join(f"rank {r} in {phase} for {now - since:.0f} s" for r, _, since, phase in sorted(ranks)
-                           if r != self.topo.rank and phase != mine[3])
-        if len(late) == len(ranks):
+        now, mine = time.time(), (Progress.order(state), state[1], Progress.describe(state))
+        known = {**earlier, **self._phases(), self.topo.rank: mine}
+        behind = min(order for order, _, _ in known.values())
+        late = sorted(r for r, (order, _, _) in known.items() if order == behind)
+        unknown = [r for r in range(self.topo.world_size) if r not in known]
+        others = "; ".join([f"rank {r} in {phase} for {now - since:.0f} s" for r, (_, since, phase) in sorted(known.items())
+                            if r != self.topo.rank and phase != mine[2]]
+                           + [f"rank {r} in an unknown phase" for r in unknown[:4]])
+        if len(known) == 1:
+            check = "where the other ranks are cannot be read (the store has gone): look at their own lines"
+        elif len(late) == len(known) and not unknown:
             check = ("every rank waits in the same phase: a collective that never completes; check the network "
                      "between the nodes (NCCL_DEBUG=INFO)")
-        elif any(r == self.topo.rank for r, _, _ in late):
-            check = f"the other ranks wait for this one: look at what it does in {mine[3]} (py-spy dump --pid)"
+        elif self.topo.rank in late:
+            check = f"the other ranks wait for this one: look at what it does in {mine[2]} (py-spy dump --pid)"
         else:
-            check = (f"rank {late[0][0]} is behind, in {late[0][2]}: look at what it does there (py-spy dump --pid "
-                     "of its process)")
-        print(f"zerotrain: error: rank {self.topo.rank}: no progress for {now - state[1]:.0f} s in {mine[3]} "
+            check = (f"rank {late[0]} is behind, in {known[late[0]][2]}: look at what it does there (py-spy dump "
+                     "--pid of its process)")
+        print(f"zerotrain: error: rank {self.topo.rank}: no progress for {now - state[1]:.0f} s in {mine[2]} "
               f"(faults.collective_timeout_seconds={self.stall_after:g}){'; ' + others if others else ''}; {check}; "
               f"stopping this rank; {self.resume()}", file=sys.stderr, flush=True)
         os._exit(self.EXIT_CODE)

@@ -52,7 +52,8 @@ def test_gpu_suite_runs_end_to_end_on_cpu(tmp_path):
         predicted = row["predicted"]
         assert all(predicted[key] > 0 for key in PREDICTED), (row["config"], predicted)
         assert predicted["allocated"] <= predicted["reserved"] <= predicted["device_total"], predicted
-        assert row["fits"] and row["rejected"] is None  # tiny-flux in 8 GiB
+        # tiny-flux in 8 GiB; on one rank the plan rejects ZeRO-3 without parameter offload (and calibrate measures it)
+        assert (row["fits"] and row["rejected"] is None) or (row["rejected"] or "").startswith("one GPU:"), row
         assert row["flops_per_step"] > 0
         measured = row["measured"]
         assert measured["images_per_second"] > 0 and measured["forward_backward_s"] > 0 and measured["optimizer_s"] > 0
