@@ -6,10 +6,11 @@ from __future__ import annotations
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zerotrain.data.sources import has_pattern, is_remote
 from zerotrain.optimizers import CLIENT_OPTIMIZERS, OPTIMIZERS
 
 # planner.loader_worker_bytes: one DataLoader worker's host RAM. benchmarks/loader_workers_ram.py measured 20 MiB of
@@ -201,9 +202,31 @@ class TrainingConfig(_Section):
 
 
 class DatasetConfig(_Section):
-    path: Path
-    """A folder of images (searched recursively; captions in sidecar files of the same stem) or a
-    JSONL manifest of {"image": path, "caption": text} lines, paths relative to the manifest."""
+    path: Path | str
+    """Where the images are (format tells how they are laid out): a folder of images (searched recursively;
+    captions in sidecar files of the same stem); a JSONL manifest of {"image": path, "caption": text} lines; a
+    Hugging Face dataset (a save_to_disk folder, a folder of parquet shards, or a hub dataset as
+    hf://datasets/owner/name[@revision], through the Hugging Face cache); WebDataset tar shards
+    (shards-{0000..0099}.tar); a CSV, TSV or parquet manifest of image paths or URLs with captions. Shards,
+    tables and manifests may be remote: s3://, gs://, https:// (fsspec, credentials from the environment).
+    Relative paths are from the working directory; paths in a manifest are relative to the manifest."""
+    format: Literal["auto", "folder", "jsonl", "table", "webdataset"] = "auto"
+    """How the path is laid out. auto: from its form (a folder with state.json or parquet files: table; .tar:
+    webdataset; .csv, .tsv, .parquet, .arrow, hf://datasets/: table; .jsonl: jsonl; another folder: folder).
+    table: a Hugging Face dataset or a CSV/TSV/parquet manifest, a row per image."""
+    image_column: str | None = None
+    """Tables: the column that holds each image (its bytes, as a datasets Image feature or binary, or a path or
+    URL); the first of image, jpg, png, webp, file_name, path, url when not given."""
+    caption_column: str | None = None
+    """Tables: the caption column (a text or a list of texts); WebDataset: the caption field of key.json. The
+    first of text, caption, prompt when not given (key.txt first for WebDataset)."""
+    mask_column: str | None = None
+    """Tables: a column of loss masks (bytes, path or URL), for data.mask: file. WebDataset reads key.mask.png."""
+    split: str = "train"
+    """Hugging Face datasets with several splits: the files whose names say this split (train-00000-of-00004.parquet,
+    data/train/...); every file where no name says one."""
+    timeout_seconds: float = Field(60.0, gt=0.0)
+    """Remote sources: how long one read (a shard's bytes, a URL's image) may take before it is a verdict."""
     repeats: int = Field(1, ge=1, le=10_000)
     """How many times each image of this dataset counts per epoch."""
     folder_repeats: bool = True
@@ -238,12 +261,20 @@ class DatasetConfig(_Section):
     is the edit instruction. A manifest names its controls per line instead ("control": a path or a
     list, or musubi-tuner's "control_path_0".."control_path_N")."""
 
-    @field_validator("path")
+    @field_validator("path", mode="before")
     @classmethod
-    def _exists(cls, value: Path) -> Path:
-        if not value.exists():
-            raise ValueError(f"{value} does not exist (relative paths are from the working directory)")
-        return value
+    def _exists(cls, value: Any) -> Path | str:
+        """URLs and brace patterns stay text (their files are checked when the data is read); a local path
+        must exist."""
+        text = str(value)
+        if is_remote(text) or has_pattern(text):
+            return text
+        path = Path(text)
+        if not path.exists():
+            hub = (f"; a hub dataset is written hf://datasets/{text}"
+                   if re.fullmatch(r"[\w.-]+/[\w.-]+", text) else "")
+            raise ValueError(f"{value} does not exist (relative paths are from the working directory{hub})")
+        return path
 
     @field_validator("controls")
     @classmethod

@@ -54,6 +54,7 @@ from zerotrain.config.sections import RunConfig
 from zerotrain.data.buckets import CropPlan, apply_crop, assign_bucket, bucket_step, make_buckets, plan_crop
 from zerotrain.data.dataset import Discovery, Item, Verdict
 from zerotrain.data.images import ImageRejected, load_mask, load_rgb
+from zerotrain.data.sources import Locator, Packed
 from zerotrain.distributed import Topology, barrier, on_each_node
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.fine_tune import fine_tune_folder
@@ -196,7 +197,10 @@ def reference_crop(size: tuple[int, int], control: tuple[int, int], target_crop:
     return plan_crop(*control, size, "center", None)
 
 
-def _file_identity(path: Path) -> tuple[str, int, int]:
+def _file_identity(path: Locator) -> tuple:
+    """A file's path, size and mtime; a packed image's source, key and content identity (data.sources)."""
+    if isinstance(path, Packed):
+        return path.content_identity()
     stat = path.stat()
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerotrain.config.sections import DataConfig, DatasetConfig
+from zerotrain.data import sources
 from zerotrain.data.images import ImageInfo, ImageRejected, probe
+from zerotrain.data.sources import Locator
 from zerotrain.errors import ZerotrainError
 
 IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"}
@@ -27,7 +29,8 @@ SHOWN_PATHS = 3
 class Item:
     """One usable image: where it is, its caption, its upright size, its dataset."""
 
-    image: Path
+    image: Locator
+    """Its file, or where it is packed (a tar member, a table row, a URL: data.sources.Packed)."""
     caption: str
     width: int
     height: int
@@ -39,7 +42,7 @@ class Item:
     """The share of its samples trained with the empty caption."""
     loss_weight: float = 1.0
     """Its dataset's weight in the loss."""
-    mask: Path | None = None
+    mask: Locator | None = None
     """Its loss mask: a mask file, or the image itself where its alpha channel is the mask
     (data.mask=alpha); None to train unmasked."""
     controls: tuple[Path, ...] = ()
@@ -60,7 +63,7 @@ class Item:
 class Verdict:
     """A file that was not used as given, and why."""
 
-    path: Path
+    path: Locator
     reason: str
     rejected: bool = True
     """False for notes (e.g. a missing caption replaced by the policy)."""
@@ -160,10 +163,10 @@ def _caption_texts(text: str, dataset: DatasetConfig) -> list[str]:
 class Entry:
     """An image as its dataset lists it, before it is checked."""
 
-    image: Path
+    image: Locator
     texts: list[str] | None
     """Its captions; None when it has none."""
-    mask: Path | None = None
+    mask: Locator | None = None
     """Its mask file; None when it has none."""
     controls: tuple[Path, ...] = ()
     """Its control images, in reference order."""
@@ -278,6 +281,28 @@ def _manifest_controls(record: dict) -> list[str]:
     return controls
 
 
+def dataset_kind(dataset: DatasetConfig) -> sources.Kind:
+    """How a dataset is laid out: its format, or what its path's form says (sources.detect)."""
+    return sources.detect(dataset.path) if dataset.format == "auto" else dataset.format
+
+
+def _entries(dataset: DatasetConfig, index: int, discovery: Discovery) -> list[Entry]:
+    """A dataset's entries, by its kind; a source that cannot be read at all is one line (ZerotrainError)."""
+    kind = dataset_kind(dataset)
+    local = isinstance(dataset.path, Path)
+    if kind == "folder" and local and dataset.path.is_dir():
+        return _folder_entries(dataset, discovery)
+    if kind == "jsonl" and local and dataset.path.is_file():
+        return _manifest_entries(dataset, discovery)
+    if kind in ("table", "webdataset"):
+        listing = (sources.table_entries if kind == "table" else sources.tar_entries)(dataset, index)
+        discovery.verdicts += [Verdict(where, reason, rejected) for where, reason, rejected in listing.problems]
+        return [Entry(image, texts, mask) for image, texts, mask in listing.entries]
+    raise ZerotrainError(f"data.datasets[{index}].path: {dataset.path} is not a {kind} (a folder of images, a .jsonl "
+                         "manifest, a table (Hugging Face dataset, .parquet, .csv, .tsv) or .tar shards, local for a "
+                         f"folder or a .jsonl); set data.datasets[{index}].format")
+
+
 def discover(data: DataConfig) -> Discovery:
     """Every dataset's images with captions and sizes (headers only), and a verdict per problem.
     Applies the missing-caption policy; does not apply the rejection policy (see enforce)."""
@@ -286,18 +311,12 @@ def discover(data: DataConfig) -> Discovery:
                              "--set 'data.datasets=[{path: ./images}]'")
     discovery = Discovery()
     for index, dataset in enumerate(data.datasets):
-        if dataset.path.is_dir():
-            entries = _folder_entries(dataset, discovery)
-        elif dataset.path.is_file() and dataset.path.suffix == ".jsonl":
-            entries = _manifest_entries(dataset, discovery)
-        else:
-            raise ZerotrainError(f"data.datasets[{index}].path: {dataset.path} is neither a folder nor a .jsonl "
-                                 "manifest")
+        entries = _entries(dataset, index, discovery)
         dropout = data.caption_dropout if dataset.caption_dropout is None else dataset.caption_dropout
         if dataset.share is not None:
             discovery.shares[index] = dataset.share
         items_before = len(discovery.items)
-        kohya = dataset.folder_repeats and dataset.path.is_dir()
+        kohya = dataset.folder_repeats and dataset_kind(dataset) == "folder"
         for entry in entries:
             image, texts, mask_file = entry.image, entry.texts, entry.mask
             if not image.is_file():

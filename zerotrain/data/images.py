@@ -41,6 +41,7 @@ their first frame.
 
 from __future__ import annotations
 
+import io
 import re
 import struct
 import warnings
@@ -48,7 +49,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 from PIL import ExifTags, Image, ImageFile, UnidentifiedImageError
@@ -61,6 +62,8 @@ REASONS = (
     "too small",
     "decompression bomb",
     "unsupported mode",
+    "missing file",
+    "unreachable",
 )
 
 
@@ -71,11 +74,11 @@ class ImageRejected(Exception):
         if reason not in REASONS:
             raise ValueError(f"unknown ImageRejected reason {reason!r}; expected one of {REASONS}")
         self.reason = reason
-        self.path = Path(path) if path is not None else None
+        self.path = Path(path) if isinstance(path, str) else path
         self.detail = detail or reason
         super().__init__(f"{self.path}: {self.detail}" if self.path is not None else self.detail)
 
-    def __reduce__(self) -> tuple[type[ImageRejected], tuple[str, Path | None, str]]:
+    def __reduce__(self) -> tuple[type[ImageRejected], tuple[str, Any, str]]:
         # DataLoader workers pickle exceptions back to the main process; keep all three fields.
         return (type(self), (self.reason, self.path, self.detail))
 
@@ -144,7 +147,7 @@ def probe(path: Path, min_size: int, max_pixels: int) -> ImageInfo:
     limit ``2 * Image.MAX_IMAGE_PIXELS``), "too small" (shorter upright side below ``min_size``),
     "unsupported mode". Pillow's DecompressionBombWarning is silenced: ``max_pixels`` is the policy.
     """
-    path = Path(path)
+    path = Path(path) if isinstance(path, str) else path
     with _open(path) as im:
         w, h = im.size
         if w * h > max_pixels:
@@ -179,7 +182,7 @@ def load_rgb(
     already smaller than the target is returned at full size, never upscaled. Aspect ratio can shift
     by under one pixel per side from rounding up.
     """
-    path = Path(path)
+    path = Path(path) if isinstance(path, str) else path
     with _open(path) as im:
         _check_mode(im, path)
         target = None
@@ -213,7 +216,7 @@ def load_mask(path: Path, *, alpha: bool = False) -> Image.Image | None:
     trains fully, 0 not at all. With ``alpha`` the file is the training image itself and its alpha
     channel is the mask; None when it has none (every pixel opaque).
     """
-    path = Path(path)
+    path = Path(path) if isinstance(path, str) else path
     with _open(path) as im:
         _check_mode(im, path)
         _decode(im, path)
@@ -253,7 +256,7 @@ def _refuse_truncated() -> None:
 def _open(path: Path) -> Iterator[ImageFile.ImageFile]:
     """Open ``path`` for Pillow (header only), closing the file on exit, turning failures into verdicts."""
     _refuse_truncated()
-    with open(path, "rb") as fp:
+    with _binary(path) as fp:
         prefix = fp.read(16)
         if not prefix:
             raise ImageRejected("empty file", path, "the file is empty (0 bytes)")
@@ -269,6 +272,25 @@ def _open(path: Path) -> Iterator[ImageFile.ImageFile]:
             raise _verdict(path, exc) from exc
         with im:
             yield im
+
+
+@contextmanager
+def _binary(path: Any) -> Iterator[IO[bytes]]:
+    """A file's bytes, or a packed image's (a tar member, a table row, a URL: data.sources.Packed), read whole;
+    what cannot be read at all is a verdict: missing, unreachable (a URL's timeout), truncated (a cut shard)."""
+    if isinstance(path, (str, Path)):
+        with open(path, "rb") as fp:
+            yield fp
+        return
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as err:
+        raise ImageRejected("missing file", path, f"not found ({err})") from None
+    except EOFError as err:
+        raise ImageRejected("truncated", path, f"the shard is truncated ({err})") from None
+    except (OSError, TimeoutError) as err:
+        raise ImageRejected("unreachable", path, f"cannot be read ({type(err).__name__}: {err})") from None
+    yield io.BytesIO(data)
 
 
 def _decode(im: ImageFile.ImageFile, path: Path) -> None:
@@ -361,8 +383,9 @@ def _shorter_than_declared(path: Path, im: Image.Image | None) -> bool:
     Only consulted after a failure, so a header that lies about its length cannot reject a good file.
     """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fp:
+        with _binary(path) as fp:
+            size = fp.seek(0, 2)
+            fp.seek(0)
             head = fp.read(16)
             fp.seek(max(0, size - 64))
             tail = fp.read().rstrip(b"\x00")  # some writers pad after the end marker
@@ -400,7 +423,7 @@ def _shorter_than_declared(path: Path, im: Image.Image | None) -> bool:
                     counts = counts if isinstance(counts, tuple) else (counts,)
                     if any(o + c > size for o, c in zip(offsets, counts)):
                         return True
-    except (OSError, TypeError, ValueError):
+    except (OSError, TypeError, ValueError, ImageRejected):
         return False
     return False
 

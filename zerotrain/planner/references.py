@@ -69,10 +69,10 @@ def datasets_references(run: RunConfig) -> int:
     return max((dataset_references(dataset.path, dataset.controls) for dataset in run.data.datasets), default=0)
 
 
-def dataset_references(path: Path, controls: list[Path]) -> int:
+def dataset_references(path: Path | str, controls: list[Path]) -> int:
     """Reference images per sample of one dataset: its control folders, or the most controls a line
-    of its manifest names (0 for a path that is neither)."""
-    if controls or not (path.is_file() and path.suffix == ".jsonl"):
+    of its manifest names (0 for a path that is neither: tables and shards carry no controls)."""
+    if controls or not (isinstance(path, Path) and path.is_file() and path.suffix == ".jsonl"):
         return len(controls)
     from zerotrain.data.dataset import manifest_control_count
 
