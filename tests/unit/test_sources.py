@@ -145,11 +145,21 @@ def test_bad_tar_members_get_verdicts_naming_shard_and_key(tmp_path):
 
 def test_a_truncated_shard_keeps_the_samples_before_the_cut(tmp_path):
     shard = write_tar(tmp_path / "s.tar", [(f"{stem}.png", png) for stem, png, _ in ROWS[:4]])
-    shard.write_bytes(shard.read_bytes()[:3 * 1024 + 100])  # each member a header and a 512-byte block: 4th cut
+    whole = shard.read_bytes()
+    # Each member is a 512-byte header and one 512-byte block of data: the 4th is cut in its header.
+    shard.write_bytes(whole[:3 * 1024 + 100])
     found = discover(data(shard, max_rejected_fraction=1.0, missing_caption="filename"))
     assert [item.caption for item in found.items] == [stem for stem, *_ in ROWS[:3]]
     assert [(str(v.path), v.reason) for v in found.rejected] == [
-        (str(shard), "shard unreadable after 3 samples (ReadError: unexpected end of data); those are used")]
+        (str(shard), "shard unreadable after 3 samples (ReadError: unexpected end of data in a member's header); "
+                     "those are used")]
+    # Cut in its data: its header was read, its bytes are short.
+    shard.write_bytes(whole[:3 * 1024 + 600])
+    found = discover(data(shard, max_rejected_fraction=1.0, missing_caption="filename"))
+    assert [item.caption for item in found.items] == [stem for stem, *_ in ROWS[:3]]
+    assert [(str(v.path), v.reason) for v in found.rejected] == [
+        (str(shard), "shard unreadable after 4 samples (ReadError: unexpected end of data); those are used"),
+        (f"{shard}:{ROWS[3][0]}.png", "truncated")]
 
 
 def test_a_corrupt_parquet_row_is_a_verdict_naming_file_and_row(tmp_path):

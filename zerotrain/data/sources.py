@@ -531,6 +531,10 @@ def _members(shard: str, timeout: float) -> Iterator[tuple[tarfile.TarInfo, Call
     with fs.open(path, "rb") as fp, tarfile.open(fileobj=fp, mode="r:") as archive:
         for member in archive:
             yield member, lambda member=member: archive.extractfile(member).read()
+        # tarfile ends quietly at a header cut short; what follows the last member is zeros in a whole shard.
+        fp.seek(archive.offset)
+        if fp.read(1024).strip(b"\0"):
+            raise tarfile.ReadError("unexpected end of data in a member's header")
 
 
 def _tar_caption(captions: dict[tuple[str, str], bytes], key: str, column: str | None) -> list[str] | None:
