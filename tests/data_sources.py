@@ -48,11 +48,16 @@ def write_save_to_disk(folder: Path, rows: list[tuple[str, bytes, str]]) -> Path
 
 def write_parquet(folder: Path, rows: list[tuple[str, bytes, str]], shards: int = 2, split: str = "train") -> Path:
     """A folder of parquet shards as the hub holds a dataset: data/<split>-0000K-of-0000N.parquet, by to_parquet."""
-    dataset = _dataset(rows)
     (folder / "data").mkdir(parents=True, exist_ok=True)
+    per = (len(rows) + shards - 1) // shards
     for k in range(shards):
-        dataset.shard(shards, k, contiguous=True).to_parquet(str(folder / "data" / f"{split}-{k:05d}-of-{shards:05d}.parquet"))
+        write_parquet_file(folder / "data" / f"{split}-{k:05d}-of-{shards:05d}.parquet", rows[k * per:(k + 1) * per])
     return folder
+
+
+def write_parquet_file(path: Path, rows: list[tuple[str, bytes, str]]) -> Path:
+    _dataset(rows).to_parquet(str(path))
+    return path
 
 
 def write_shards(folder: Path, rows: list[tuple[str, bytes, str]], per_shard: int = 4,
@@ -62,12 +67,16 @@ def write_shards(folder: Path, rows: list[tuple[str, bytes, str]], per_shard: in
     folder.mkdir(parents=True, exist_ok=True)
     count = (len(rows) + per_shard - 1) // per_shard
     for k in range(count):
-        members = []
-        for stem, data, text in rows[k * per_shard:(k + 1) * per_shard]:
-            members += [(f"{stem}.png", data), (f"{stem}.{caption}", text.encode() if caption == "txt"
-                                                 else f'{{"caption": "{text}"}}'.encode())]
-        write_tar(folder / f"shards-{k:04d}.tar", members)
+        write_shard(folder / f"shards-{k:04d}.tar", rows[k * per_shard:(k + 1) * per_shard], caption)
     return f"shards-{{0000..{count - 1:04d}}}.tar"
+
+
+def write_shard(path: Path, rows: list[tuple[str, bytes, str]], caption: str = "txt") -> Path:
+    members = []
+    for stem, data, text in rows:
+        members += [(f"{stem}.png", data), (f"{stem}.{caption}", text.encode() if caption == "txt"
+                                             else f'{{"caption": "{text}"}}'.encode())]
+    return write_tar(path, members)
 
 
 def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
@@ -118,6 +127,25 @@ def hub_cache(cache: Path, repo: str, source: Path, commit: str = "0" * 40) -> P
     return root
 
 
+def write_every_form(root: Path, server: FileServer) -> dict[str, Path | str]:
+    """examples/tiny-data's 8 images in every form besides a folder, under `root` (which `server` serves): a
+    save_to_disk folder, parquet shards, a hub dataset id in root/hub (HF_HUB_CACHE), WebDataset shards local and
+    over HTTP, a CSV of URLs over HTTP, a TSV of paths and a parquet manifest. The data.datasets path of each."""
+    rows = tiny_rows()
+    captions = [caption for *_, caption in rows]
+    write_save_to_disk(root / "hf", rows)
+    hub_cache(root / "hub", "org/tiny-shapes", write_parquet(root / "pq", rows))
+    pattern = write_shards(root / "wds", rows)
+    images = [f"files/{p.name}" for p in write_files(root / "files", rows)]
+    write_csv(root / "list.tsv", images, captions, "\t")
+    write_parquet_manifest(root / "list.parquet", images, captions)
+    write_csv(root / "urls.csv", [f"{server.url}/{name}" for name in images], captions)
+    return {"save_to_disk": root / "hf", "parquet shards": root / "pq", "hub id": "hf://datasets/org/tiny-shapes",
+            "webdataset": root / "wds" / pattern, "webdataset over http": f"{server.url}/wds/{pattern}",
+            "csv of urls over http": f"{server.url}/urls.csv", "tsv of paths": root / "list.tsv",
+            "parquet manifest": root / "list.parquet"}
+
+
 class FileServer:
     """Serves `folder` over HTTP on 127.0.0.1 with Range requests (206), as S3, GCS and web servers answer them;
     a path under /slow/ answers after `delay` seconds. `requests` records every (method, path, Range)."""
@@ -166,7 +194,7 @@ class FileServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def __enter__(self) -> FileServer:
+    def __enter__(self):
         self._thread.start()
         return self
 

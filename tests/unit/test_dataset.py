@@ -117,7 +117,8 @@ def test_no_datasets_or_bad_path_is_one_line(tmp_path):
         discover(DataConfig())
     not_a_manifest = tmp_path / "list.txt"
     not_a_manifest.write_text("a.png\n")
-    with pytest.raises(ZerotrainError, match=r"data\.datasets\[0\]\.path: .* neither a folder nor a \.jsonl"):
+    with pytest.raises(ZerotrainError, match=r"data\.datasets\[0\]\.path: .*list.txt is none of the forms zerotrain "
+                                             r"reads: a folder of images, a \.jsonl manifest, a table"):
         discover(config(not_a_manifest))
 
 

@@ -151,8 +151,8 @@ def test_a_truncated_shard_keeps_the_samples_before_the_cut(tmp_path):
     found = discover(data(shard, max_rejected_fraction=1.0, missing_caption="filename"))
     assert [item.caption for item in found.items] == [stem for stem, *_ in ROWS[:3]]
     assert [(str(v.path), v.reason) for v in found.rejected] == [
-        (str(shard), "shard unreadable after 3 samples (ReadError: unexpected end of data in a member's header); "
-                     "those are used")]
+        (str(shard), ("shard unreadable after 3 samples (ReadError: unexpected end of data in a member's header); "
+                      "those are used"))]
     # Cut in its data: its header was read, its bytes are short.
     shard.write_bytes(whole[:3 * 1024 + 600])
     found = discover(data(shard, max_rejected_fraction=1.0, missing_caption="filename"))
@@ -188,8 +188,8 @@ def test_remote_shards_and_urls_over_http(tmp_path):
     write_files(tmp_path / "files", ROWS[:3])
     with FileServer(tmp_path, delay=3.0) as server:
         urls = [f"{server.url}/files/{stem}.png" for stem, *_ in ROWS[:3]]
-        write_csv(tmp_path / "urls.csv", [*urls, f"{server.url}/files/absent.png", f"{server.url}/slow/files/"
-                                          f"{ROWS[0][0]}.png"], [*CAPTIONS[:3], "gone", "slow"])
+        slow = f"{server.url}/slow/files/{ROWS[0][0]}.png"
+        write_csv(tmp_path / "urls.csv", [*urls, f"{server.url}/files/absent.png", slow], [*CAPTIONS[:3], "gone", "slow"])
         found = discover(data(f"{server.url}/wds/{pattern}"))
         assert seen(found) == EXPECTED and not found.verdicts
         assert str(found.items[0].image) == f"{server.url}/wds/shards-0000.tar:{ROWS[0][0]}.png"

@@ -298,9 +298,12 @@ def _entries(dataset: DatasetConfig, index: int, discovery: Discovery) -> list[E
         listing = (sources.table_entries if kind == "table" else sources.tar_entries)(dataset, index)
         discovery.verdicts += [Verdict(where, reason, rejected) for where, reason, rejected in listing.problems]
         return [Entry(image, texts, mask) for image, texts, mask in listing.entries]
-    raise ZerotrainError(f"data.datasets[{index}].path: {dataset.path} is not a {kind} (a folder of images, a .jsonl "
-                         "manifest, a table (Hugging Face dataset, .parquet, .csv, .tsv) or .tar shards, local for a "
-                         f"folder or a .jsonl); set data.datasets[{index}].format")
+    if dataset.format != "auto":
+        raise ZerotrainError(f"data.datasets[{index}].path: {dataset.path} is not a local {kind} "
+                             f"(data.datasets[{index}].format: {kind})")
+    raise ZerotrainError(f"data.datasets[{index}].path: {dataset.path} is none of the forms zerotrain reads: a folder "
+                         "of images, a .jsonl manifest, a table (a Hugging Face dataset, hf://datasets/owner/name, "
+                         ".parquet, .arrow, .csv, .tsv) or WebDataset .tar shards")
 
 
 def discover(data: DataConfig) -> Discovery:

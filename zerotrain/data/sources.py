@@ -361,8 +361,8 @@ def _hub_snapshot(location: str, index: int) -> str:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     repo, _, revision = location[len(HUB):].strip("/").partition("@")
-    fetch = dict(repo_type="dataset", revision=revision or None, cache_dir=constants.HF_HUB_CACHE,
-                 allow_patterns=["*.parquet", "*.arrow", "*.csv", "*.tsv", "*.json", "*.md"])
+    fetch = {"repo_type": "dataset", "revision": revision or None, "cache_dir": constants.HF_HUB_CACHE,
+             "allow_patterns": ["*.parquet", "*.arrow", "*.csv", "*.tsv", "*.json", "*.md"]}
     try:
         try:
             return snapshot_download(repo, local_files_only=bool(constants.HF_HUB_OFFLINE), **fetch)
