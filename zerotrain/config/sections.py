@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from zerotrain.data.sources import has_pattern, is_remote
 from zerotrain.optimizers import CLIENT_OPTIMIZERS, OPTIMIZERS
 
 # planner.loader_worker_bytes: one DataLoader worker's host RAM. benchmarks/loader_workers_ram.py measured 20 MiB of
@@ -199,6 +198,20 @@ class TrainingConfig(_Section):
                 "so only LoRA adapters can train over it"
             )
         return self
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_BRACES = re.compile(r"\{[^{}]*\}")
+
+
+def is_remote(location: str) -> bool:
+    """A URL (s3://, gs://, https://, hf://), read through fsspec, rather than a local path."""
+    return bool(_URL.match(location))
+
+
+def has_pattern(location: str) -> bool:
+    """A WebDataset brace pattern (shards-{0000..0099}.tar)."""
+    return bool(_BRACES.search(location))
 
 
 class DatasetConfig(_Section):

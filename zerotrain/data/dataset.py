@@ -15,10 +15,9 @@ from pathlib import Path
 from zerotrain.config.sections import DataConfig, DatasetConfig
 from zerotrain.data import sources
 from zerotrain.data.images import ImageInfo, ImageRejected, probe
-from zerotrain.data.sources import Locator
+from zerotrain.data.sources import IMAGE_EXTENSIONS, Locator
 from zerotrain.errors import ZerotrainError
 
-IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"}
 # photo.mask.png is the loss mask of photo.jpg (data.mask=file).
 MASK_SUFFIX = ".mask"
 # Rejections listed by path in a summary; the rest are counted.

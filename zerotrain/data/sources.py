@@ -24,19 +24,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from zerotrain.config.sections import DatasetConfig, has_pattern, is_remote
 from zerotrain.errors import ZerotrainError
 
-if TYPE_CHECKING:
-    from zerotrain.config.sections import DatasetConfig
-
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _BRACES = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 # The library fsspec reads each protocol with, and zerotrain's extra that installs it.
 _EXTRAS = {"http": ("aiohttp", "remote"), "https": ("aiohttp", "remote"), "s3": ("s3fs", "s3"),
            "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
+IMAGE_EXTENSIONS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"}
 # Default column names, the first present is used.
 IMAGE_COLUMNS = ("image", "jpg", "png", "webp", "file_name", "path", "url")
 CAPTION_COLUMNS = ("text", "caption", "prompt")
@@ -44,14 +42,6 @@ TABLE_SUFFIXES = (".csv", ".tsv", ".parquet", ".arrow")
 HUB = "hf://datasets/"
 
 Kind = Literal["folder", "jsonl", "table", "webdataset"]
-
-
-def is_remote(location: str) -> bool:
-    return bool(_URL.match(location))
-
-
-def has_pattern(location: str) -> bool:
-    return bool(_BRACES.search(location))
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -304,7 +294,7 @@ def _where(index: int) -> str:
     return f"data.datasets[{index}]"
 
 
-def _files(dataset: DatasetConfig, index: int, suffixes: tuple[str, ...]) -> list[tuple[str, tuple]]:
+def source_files(dataset: DatasetConfig, index: int, suffixes: tuple[str, ...]) -> list[tuple[str, tuple]]:
     """The files a table or shard dataset names, with each one's content identity: a file, a folder of them
     (split by data.datasets[].split where names say so), a brace pattern, or a hub dataset id."""
     location = str(dataset.path)
@@ -406,7 +396,7 @@ def table_entries(dataset: DatasetConfig, index: int) -> Listing:
     """A Hugging Face dataset (save_to_disk, parquet shards, a hub id) or a CSV/TSV/parquet manifest: each row's
     image (its bytes in the table, or a path or URL), caption and optional mask."""
     listing = Listing()
-    for location, identity in _files(dataset, index, TABLE_SUFFIXES):
+    for location, identity in source_files(dataset, index, TABLE_SUFFIXES):
         suffix = PurePosixPath(location.split("?")[0]).suffix.lower()
         if suffix in (".csv", ".tsv"):
             _csv_rows(dataset, index, location, suffix, listing)
@@ -487,10 +477,8 @@ _WDS_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_
 def tar_entries(dataset: DatasetConfig, index: int) -> Listing:
     """WebDataset shards: members that share a key are one sample; key.jpg (any image extension) is the image,
     key.txt or key.json ("caption" or data.datasets[].caption_column) its caption, key.mask.png its mask."""
-    from zerotrain.data.dataset import IMAGE_EXTENSIONS
-
     listing = Listing()
-    for shard, identity in _files(dataset, index, (".tar",)):
+    for shard, identity in source_files(dataset, index, (".tar",)):
         def packed(member: tarfile.TarInfo, shard: str = shard, identity: tuple = identity) -> Packed:
             return Packed(shard, member.name, "tar", identity, member.offset_data, member.size,
                           timeout=dataset.timeout_seconds)
