@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from rich.progress import (
@@ -54,7 +55,8 @@ from zerotrain.config.sections import RunConfig
 from zerotrain.data.buckets import CropPlan, apply_crop, assign_bucket, bucket_step, make_buckets, plan_crop
 from zerotrain.data.dataset import Discovery, Item, Verdict
 from zerotrain.data.images import ImageRejected, load_mask, load_rgb
-from zerotrain.data.sources import Locator, Packed
+from zerotrain.data.index import Index, from_planned, key_text
+from zerotrain.data.sources import identity
 from zerotrain.distributed import Topology, barrier, on_each_node
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.fine_tune import fine_tune_folder
@@ -197,12 +199,7 @@ def reference_crop(size: tuple[int, int], control: tuple[int, int], target_crop:
     return plan_crop(*control, size, "center", None)
 
 
-def _file_identity(path: Locator) -> tuple:
-    """A file's path, size and mtime; a packed image's source, key and content identity (data.sources)."""
-    if isinstance(path, Packed):
-        return path.content_identity()
-    stat = path.stat()
-    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+_file_identity = identity
 
 
 def text_key(text: str, identity: str, text_tokens: int, spec: ModelSpec, *images: Any) -> str:
@@ -489,19 +486,25 @@ def read_index(root: Path) -> dict[str, dict[str, str]]:
 class CachedDataset(torch.utils.data.Dataset):
     """Training samples read only from the cache, through memory-mapped safetensors shards.
 
-    Sample i is planned[i]; a sample is a dict of tensors: latent mean and std (the VAE's
-    posterior, so training draws a fresh latent each time), the text conditioning, and the
-    bucket, original size and crop offsets that SDXL's micro-conditioning needs."""
+    Sample i is row samples[i] of the dataset index (data.index: the rows of prepare's index, mapped and shared
+    by the DataLoader's workers, or an index of a list of Planned made here); a sample is a dict of tensors:
+    latent mean and std (the VAE's posterior, so training draws a fresh latent each time), the text
+    conditioning, and the bucket, original size and crop offsets that SDXL's micro-conditioning needs."""
 
-    def __init__(self, planned: list[Planned], root: Path, flip: bool = False, loss_weights: bool = False,
-                 masks: bool = False, unmasked_weight: float = 0.0) -> None:
-        index = read_index(root)
-        missing = [p for p in planned if p.latent_key not in index["latents"]
-                   or any(key not in index["text"] for key in p.all_text_keys())]
-        if missing:
-            raise ZerotrainError(f"{len(missing)} images are not in the cache at {root} (first: {missing[0].item.image}); "
+    def __init__(self, planned: list[Planned] | Index, root: Path, flip: bool = False, loss_weights: bool = False,
+                 masks: bool = False, unmasked_weight: float = 0.0, samples: np.ndarray | None = None) -> None:
+        if isinstance(planned, Index):
+            index = planned
+        else:
+            cache = read_index(root)
+            index = from_planned(planned, cache["latents"], cache["text"])
+        missing = index.missing()
+        if len(missing):
+            first = index.planned(missing[:1])[0].item.image
+            raise ZerotrainError(f"{len(missing)} images are not in the cache at {root} (first: {first}); "
                                  "run `zerotrain cache --config ...` first")
-        self.planned, self.root, self.flip, self.index = planned, root, flip, index
+        self.index, self.root, self.flip = index, root, flip
+        self.samples = np.arange(len(index)) if samples is None else samples
         self.loss_weights = loss_weights  # each sample carries its dataset's loss_weight
         self.masks, self.unmasked_weight = masks, unmasked_weight  # each sample carries a loss_mask (h, w)
         self._handles: dict[str, Any] = {}
@@ -509,7 +512,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self._text_lengths: dict[str, dict[str, int]] = {}
 
     def __len__(self) -> int:
-        return len(self.planned)
+        return len(self.samples)
 
     def _open(self, kind: str, name: str):
         handle = self._handles.get(f"{kind}/{name}")
@@ -521,32 +524,36 @@ class CachedDataset(torch.utils.data.Dataset):
         """Sample i, or (i, choice) as the sampler's text_choices give it: the choice-th of its
         texts, or the empty caption for -1."""
         i, choice = i if isinstance(i, tuple) else (i, 0)
-        p = self.planned[i]
-        key = p.empty_key if choice < 0 else p.text_keys[choice]
-        latents = self._open("latents", self.index["latents"][p.latent_key])
-        text = self._open("text", self.index["text"][key])
+        index = self.index
+        row = index.rows[int(self.samples[i])]
+        text_row = int(row["empty"]) if choice < 0 else int(row["text_start"]) + choice
+        latent_key, key = key_text(row["latent"]), index.text_key(text_row)
+        latents = self._open("latents", index.latent_shards[row["latent_shard"]])
+        text_shard = index.text_shards[index.texts["shard"][text_row]]
+        text = self._open("text", text_shard)
+        width, height = (int(v) for v in row["original"])
         sample = {
-            "latent_mean": latents.get_tensor(f"{p.latent_key}.mean"),
-            "latent_std": latents.get_tensor(f"{p.latent_key}.std"),
-            "original_size": torch.tensor(p.crop.original_size[::-1]),  # (height, width), as diffusers orders it
-            "crop_top_left": torch.tensor((p.crop.crop_top, p.crop.crop_left)),
-            "target_size": torch.tensor(p.crop.bucket[::-1]),
+            "latent_mean": latents.get_tensor(f"{latent_key}.mean"),
+            "latent_std": latents.get_tensor(f"{latent_key}.std"),
+            "original_size": torch.tensor((height, width)),  # (height, width), as diffusers orders it
+            "crop_top_left": torch.tensor(tuple(int(v) for v in row["crop"])),
+            "target_size": torch.tensor((int(row["bucket"][1]), int(row["bucket"][0]))),
         }
         if self.loss_weights:
-            sample["loss_weight"] = torch.tensor(p.item.loss_weight, dtype=torch.float32)
+            sample["loss_weight"] = torch.tensor(float(row["loss_weight"]), dtype=torch.float32)
         if self.masks:  # ones for an unmasked image in a run with masks: every sample of a batch has one
-            mask = (latents.get_tensor(f"{p.latent_key}.mask").float() if p.item.mask is not None
+            mask = (latents.get_tensor(f"{latent_key}.mask").float() if row["mask"]
                     else torch.ones(sample["latent_mean"].shape[-2:]))
             sample["loss_mask"] = self.unmasked_weight + (1.0 - self.unmasked_weight) * mask
         if self.flip:  # horizontally flipped moments; the training step picks one of the two per sample
-            sample["latent_flip_mean"] = latents.get_tensor(f"{p.latent_key}.flip_mean")
-            sample["latent_flip_std"] = latents.get_tensor(f"{p.latent_key}.flip_std")
-        for r in range(len(p.reference_crops)):  # edit training: each reference's clean latents
-            sample[f"reference_{r}"] = latents.get_tensor(f"{p.latent_key}.ref{r}")
+            sample["latent_flip_mean"] = latents.get_tensor(f"{latent_key}.flip_mean")
+            sample["latent_flip_std"] = latents.get_tensor(f"{latent_key}.flip_std")
+        for r in range(int(row["references"])):  # edit training: each reference's clean latents
+            sample[f"reference_{r}"] = latents.get_tensor(f"{latent_key}.ref{r}")
             if self.flip:
-                sample[f"reference_{r}_flip"] = latents.get_tensor(f"{p.latent_key}.ref{r}_flip")
-        lengths = self._lengths(self.index["text"][key], text)
-        for name in self._names(self.index["text"][key], text)[key]:
+                sample[f"reference_{r}_flip"] = latents.get_tensor(f"{latent_key}.ref{r}_flip")
+        lengths = self._lengths(text_shard, text)
+        for name in self._names(text_shard, text)[key]:
             sample[name] = untrimmed(text.get_tensor(f"{key}.{name}"), lengths.get(f"{key}.{name}"))
         return sample
 

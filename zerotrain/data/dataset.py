@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from zerotrain.config.sections import DataConfig, DatasetConfig
 from zerotrain.data import sources
 from zerotrain.data.images import ImageInfo, ImageRejected, probe
@@ -69,25 +71,42 @@ class Verdict:
 
 
 def epoch_samples(items: list[Item], shares: dict[int, float], seed: int = 0) -> list[int]:
-    """Item index of every sample of an epoch. An item of a dataset without a share repeats by its
-    dataset's count. A dataset with a share s gets round(s x N) samples, N being what makes the
-    datasets without a share the rest (1 - the shares) of the epoch, or, where every dataset has
-    a share, one sample per image: its images repeat as often as that allows, and a seeded subset
-    of them takes one more sample."""
-    members: dict[int, list[int]] = {}
-    for i, item in enumerate(items):
-        members.setdefault(item.dataset, []).append(i)
-    free = [i for d, indices in members.items() if d not in shares for i in indices for _ in range(items[i].repeats)]
-    rest = 1.0 - sum(shares[d] for d in members if d in shares)
-    total = len(free) / rest if free and rest > 1e-9 else len(items)
-    samples = list(free)
-    for d, indices in members.items():
-        if d in shares:
-            count = max(1, round(shares[d] * total))
-            order = list(indices)
-            random.Random(f"{seed}-{d}").shuffle(order)
-            samples += indices * (count // len(indices)) + order[:count % len(indices)]
-    return sorted(samples)
+    """Item index of every sample of an epoch (sample_rows over the items' datasets and repeats)."""
+    return sample_rows(np.array([item.dataset for item in items], dtype=np.int64),
+                       np.array([item.repeats for item in items], dtype=np.int64), shares, seed).tolist()
+
+
+def sample_rows(datasets: np.ndarray, repeats: np.ndarray, shares: dict[int, float], seed: int = 0) -> np.ndarray:
+    """Row of every sample of an epoch, sorted, for rows of these datasets and repeat counts. A row of a dataset
+    without a share repeats by its count. A dataset with a share s gets round(s x N) samples, N being what makes
+    the datasets without a share the rest (1 - the shares) of the epoch, or, where every dataset has a share, one
+    sample per image: its images repeat as often as that allows, and a seeded subset of them takes one more
+    sample."""
+    datasets, repeats = np.asarray(datasets), np.asarray(repeats)
+    present = sorted(set(np.unique(datasets).tolist()))
+    shared = [d for d in present if d in shares]
+    free_rows = np.flatnonzero(~np.isin(datasets, shared)) if shared else np.arange(len(datasets))
+    free = np.repeat(free_rows, repeats[free_rows])
+    rest = 1.0 - sum(shares[d] for d in shared)
+    total = len(free) / rest if len(free) and rest > 1e-9 else len(datasets)
+    parts = [free]
+    for d in shared:
+        indices = np.flatnonzero(datasets == d)
+        count = max(1, round(shares[d] * total))
+        order = indices.tolist()
+        random.Random(f"{seed}-{d}").shuffle(order)
+        parts += [np.tile(indices, count // len(indices)), np.array(order[:count % len(indices)], dtype=np.int64)]
+    return np.sort(np.concatenate(parts).astype(np.int64))
+
+
+def folder_repeat_lines(repeat_folders: dict[int, dict[str, int]]) -> list[str]:
+    """The summary's line for each dataset read as kohya's repeat folders."""
+    lines = []
+    for index, folders in sorted(repeat_folders.items()):
+        named = ", ".join(f"{name} x{n}" for name, n in sorted(folders.items()))
+        lines.append(f"data.datasets[{index}]: kohya repeat folders, each image counted N times: {named} "
+                     f"(data.datasets[{index}].folder_repeats: false reads them as plain folders)")
+    return lines
 
 
 @dataclass
@@ -98,6 +117,8 @@ class Discovery:
     """Dataset index -> its share of each epoch, for the datasets that set one."""
     repeat_folders: dict[int, dict[str, int]] = field(default_factory=dict)
     """Dataset index -> its kohya repeat folders (folder_repeats) that hold images, by name: their N."""
+    depends: dict[int, list[str]] = field(default_factory=dict)
+    """Dataset index -> the local files its manifest names (images, masks, controls), found or not."""
 
     @property
     def rejected(self) -> list[Verdict]:
@@ -109,11 +130,8 @@ class Discovery:
 
     def summary(self) -> list[str]:
         """Counts by reason with the first few paths, for the person running the job."""
-        lines = [f"{len(self.items)} images, {len(self.samples())} samples per epoch with repeats"]
-        for index, folders in self.repeat_folders.items():
-            named = ", ".join(f"{name} x{n}" for name, n in sorted(folders.items()))
-            lines.append(f"data.datasets[{index}]: kohya repeat folders, each image counted N times: {named} "
-                         f"(data.datasets[{index}].folder_repeats: false reads them as plain folders)")
+        lines = [f"{len(self.items)} images, {len(self.samples())} samples per epoch with repeats",
+                 *folder_repeat_lines(self.repeat_folders)]
         for rejected, label in ((True, "rejected"), (False, "note")):
             by_reason = Counter(v.reason for v in self.verdicts if v.rejected == rejected)
             for reason, count in by_reason.most_common():
@@ -305,15 +323,24 @@ def _entries(dataset: DatasetConfig, index: int, discovery: Discovery) -> list[E
                          ".parquet, .arrow, .csv, .tsv) or WebDataset .tar shards")
 
 
-def discover(data: DataConfig) -> Discovery:
-    """Every dataset's images with captions and sizes (headers only), and a verdict per problem.
-    Applies the missing-caption policy; does not apply the rejection policy (see enforce)."""
+def discover(data: DataConfig, only: int | None = None, known: dict[tuple, tuple[int, int]] | None = None
+             ) -> Discovery:
+    """Every dataset's images (or dataset `only`'s) with captions and sizes (headers only), and a verdict per
+    problem. `known`: the upright (width, height) of images by file identity (sources.identity), as an earlier
+    start found them, which spares reading their headers. Applies the missing-caption policy; does not apply
+    the rejection policy (see enforce)."""
     if not data.datasets:
         raise ZerotrainError("data.datasets is empty: add a folder or a JSONL manifest, e.g. "
                              "--set 'data.datasets=[{path: ./images}]'")
     discovery = Discovery()
+    known = known or {}
     for index, dataset in enumerate(data.datasets):
+        if only is not None and index != only:
+            continue
         entries = _entries(dataset, index, discovery)
+        if dataset_kind(dataset) in ("jsonl", "table"):
+            discovery.depends[index] = sorted({str(p) for e in entries for p in (e.image, e.mask, *e.controls)
+                                               if isinstance(p, Path)})
         dropout = data.caption_dropout if dataset.caption_dropout is None else dataset.caption_dropout
         if dataset.share is not None:
             discovery.shares[index] = dataset.share
@@ -342,7 +369,7 @@ def discover(data: DataConfig) -> Discovery:
                 texts = [image.stem.replace("_", " ") if data.missing_caption == "filename" else ""]
                 discovery.verdicts.append(Verdict(image, f"no caption (using {data.missing_caption})", rejected=False))
             try:
-                info: ImageInfo = probe(image, data.min_image_size, data.max_image_pixels)
+                info = _known_info(image, known) or probe(image, data.min_image_size, data.max_image_pixels)
             except ImageRejected as err:
                 discovery.verdicts.append(Verdict(image, err.reason))
                 continue
@@ -360,6 +387,17 @@ def discover(data: DataConfig) -> Discovery:
                                         variants, dropout, dataset.loss_weight, mask, entry.controls, sizes))
         _same_control_count(discovery, items_before, index)
     return discovery
+
+
+def _known_info(image: Locator, known: dict[tuple, tuple[int, int]]) -> ImageInfo | None:
+    """The image's size as an earlier start read it, where its file is unchanged since."""
+    if not known or (isinstance(image, sources.Packed) and image.kind == "url"):  # a URL's identity is its bytes
+        return None
+    try:
+        size = known.get(sources.identity(image))
+    except (OSError, ImageRejected):
+        return None
+    return ImageInfo(size[0], size[1], "", None) if size is not None else None
 
 
 def _control_sizes(controls: tuple[Path, ...], data: DataConfig) -> tuple[tuple[tuple[int, int], ...], str]:
@@ -406,6 +444,28 @@ def _mask_problem(mask: Path, image: Path, info: ImageInfo, data: DataConfig) ->
     if (found.width, found.height) != (info.width, info.height):
         return f"mask {mask.name} is {found.width}x{found.height}, its image {info.width}x{info.height}"
     return None
+
+
+def enforce_counts(counts: dict[str, list], items: int, data: DataConfig) -> None:
+    """The rejection policy over verdict counts (reason -> [rejected, count, first paths], data.index's view):
+    strict stops at the first rejected file; skip stops only when more than data.max_rejected_fraction of the
+    images were rejected."""
+    rejected = {reason: entry for reason, entry in counts.items() if entry[0] and entry[1]}
+    if not rejected:
+        if not items:
+            raise ZerotrainError("no usable images in data.datasets")
+        return
+    reason, (_, _, paths) = next(iter(rejected.items()))
+    if data.bad_files == "strict":
+        raise ZerotrainError(f"{paths[0]}: {reason} (data.bad_files=strict; fix or remove the file, or set "
+                             "data.bad_files=skip)")
+    total = sum(entry[1] for entry in rejected.values()) + items
+    if total - items > data.max_rejected_fraction * total:
+        reasons = ", ".join(f"{r} x{entry[1]}" for r, entry in sorted(rejected.items(), key=lambda kv: -kv[1][1]))
+        raise ZerotrainError(f"{total - items} of {total} images rejected ({reasons}), more than "
+                             f"data.max_rejected_fraction={data.max_rejected_fraction:g}; first: {paths[0]}")
+    if not items:
+        raise ZerotrainError("no usable images in data.datasets")
 
 
 def enforce(discovery: Discovery, data: DataConfig) -> None:

@@ -62,13 +62,14 @@ class BucketBatchSampler:
     """
 
     def __init__(
-        self, buckets: list[int], global_batch: int, micro_batch: int, world_size: int, rank: int, seed: int,
-        texts: list[tuple[int, float]] | None = None,
+        self, buckets: list[int] | np.ndarray, global_batch: int, micro_batch: int, world_size: int, rank: int,
+        seed: int, texts: list[tuple[int, float]] | None = None,
+        choices: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """buckets[i] is the bucket id of sample i; with dataset repeats, a repeated image appears
         once per repeat and each appearance is its own sample. texts[i]: how many texts sample i
-        may train with and its caption dropout; where any sample has a choice, the micro-batches
-        hold (sample, text) pairs (text_choices)."""
+        may train with and its caption dropout (or choices: the two as arrays); where any sample has a
+        choice, the micro-batches hold (sample, text) pairs (text_choices)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if micro_batch < 1 or global_batch < 1 or global_batch % (micro_batch * world_size):
@@ -107,11 +108,13 @@ class BucketBatchSampler:
         self._epoch = 0
         self._step = 0
         self._groups: np.ndarray | None = None
-        texts = texts or []
-        if texts and len(texts) != ids.size:
-            raise ValueError(f"{len(texts)} text choices for {ids.size} samples")
-        choosing = any(count > 1 or dropout > 0 for count, dropout in texts)
-        self._texts = (np.asarray([c for c, _ in texts]), np.asarray([d for _, d in texts])) if choosing else None
+        if texts:
+            choices = (np.asarray([c for c, _ in texts]), np.asarray([d for _, d in texts], dtype=np.float64))
+        if choices is not None and len(choices[0]) != ids.size:
+            raise ValueError(f"{len(choices[0])} text choices for {ids.size} samples")
+        choosing = choices is not None and bool(((choices[0] > 1) | (choices[1] > 0)).any())
+        self._texts = (np.asarray(choices[0], dtype=np.int64), np.asarray(choices[1], dtype=np.float64)) \
+            if choosing else None
         self._choices: np.ndarray | None = None
 
     def plan(self) -> EpochPlan:

@@ -173,6 +173,15 @@ class Packed:
 
 
 Locator = Path | Packed
+
+
+def identity(location: Locator) -> tuple:
+    """What the cache key holds of an image's file: its path, size and mtime; of a packed image, its source, key
+    and content identity. OSError for a file that is gone."""
+    if isinstance(location, Packed):
+        return location.content_identity()
+    stat = location.stat()
+    return str(location.resolve()), stat.st_size, stat.st_mtime_ns
 _URL_HASHES: dict[str, str] = {}
 
 
