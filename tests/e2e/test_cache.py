@@ -19,15 +19,9 @@ from zerotrain.data.prepare import make_loader, prepare
 from zerotrain.distributed import Topology
 from zerotrain.models.catalog import resolve_model
 from zerotrain.models.conditioning import encode_latent_moments, encode_prompts, load_encoders
-from zerotrain.models.tiny import build_tiny_pipeline
 
 SINGLE = Topology(0, 1, 0)
 SIZES = [(96, 64), (64, 96), (80, 80), (128, 64), (64, 64), (100, 75)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_pipeline("tiny-flux", tmp_path_factory.mktemp("model") / "tiny-flux")
 
 
 @pytest.fixture

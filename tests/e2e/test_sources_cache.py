@@ -27,17 +27,11 @@ from zerotrain.data.cache import CachedDataset
 from zerotrain.data.prepare import prepare
 from zerotrain.distributed import Topology
 from zerotrain.models.catalog import resolve_model
-from zerotrain.models.tiny import build_tiny_pipeline
 
 SINGLE = Topology(0, 1, 0)
 ROWS = tiny_rows()
 SOURCES = ["save_to_disk", "parquet shards", "hub id", "webdataset", "webdataset over http", "csv of urls over http",
            "tsv of paths", "parquet manifest"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_pipeline("tiny-flux", tmp_path_factory.mktemp("model") / "tiny-flux")
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,7 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
         references = tuple(reference_crop(family.reference_size(spec, bucket, size, data.control_resolution), size,
                                           crop, (item.width, item.height)) for size in item.control_sizes)
         controls = [("control", *_file_identity(path), plan) for path, plan in zip(item.controls, references, strict=True)]
-        latent_key = _digest(CACHE_VERSION, *_file_identity(item.image), crop, identity, str(STORE_DTYPE), data.flip,
+        latent_key = _digest(CACHE_VERSION, *(item.identity or _file_identity(item.image)), crop, identity, str(STORE_DTYPE), data.flip,
                              *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []), *controls)
         # A text encoder that reads the references with the caption makes them part of the text's address (as it
         # reads them: over data.background where transparent).

@@ -50,6 +50,9 @@ class Item:
     """Edit training: its control (reference) images, in reference order."""
     control_sizes: tuple[tuple[int, int], ...] = ()
     """Each control's upright (width, height)."""
+    identity: tuple = ()
+    """Its file's identity when it was read (sources.identity: path, size, mtime; a packed image's source, key and
+    content identity); () where not known."""
 
     @property
     def mask_alpha(self) -> bool:
@@ -369,9 +372,14 @@ def discover(data: DataConfig, only: int | None = None, known: dict[tuple, tuple
                 texts = [image.stem.replace("_", " ") if data.missing_caption == "filename" else ""]
                 discovery.verdicts.append(Verdict(image, f"no caption (using {data.missing_caption})", rejected=False))
             try:
-                info = _known_info(image, known) or probe(image, data.min_image_size, data.max_image_pixels)
+                ident, info = _known_info(image, known)
+                info = info or probe(image, data.min_image_size, data.max_image_pixels)
+                ident = ident or sources.identity(image)
             except ImageRejected as err:
                 discovery.verdicts.append(Verdict(image, err.reason))
+                continue
+            except OSError:
+                discovery.verdicts.append(Verdict(image, "missing file"))
                 continue
             mask = image if data.mask == "alpha" else mask_file if data.mask == "file" else None
             problem = _mask_problem(mask, image, info, data) if mask is not None and mask != image else None
@@ -384,20 +392,22 @@ def discover(data: DataConfig, only: int | None = None, known: dict[tuple, tuple
                 continue
             variants = caption_variants(texts, dataset)
             discovery.items.append(Item(image, variants[0], info.width, info.height, index, repeats,
-                                        variants, dropout, dataset.loss_weight, mask, entry.controls, sizes))
+                                        variants, dropout, dataset.loss_weight, mask, entry.controls, sizes, ident))
         _same_control_count(discovery, items_before, index)
     return discovery
 
 
-def _known_info(image: Locator, known: dict[tuple, tuple[int, int]]) -> ImageInfo | None:
-    """The image's size as an earlier start read it, where its file is unchanged since."""
+def _known_info(image: Locator, known: dict[tuple, tuple[int, int]]) -> tuple[tuple | None, ImageInfo | None]:
+    """The image's identity and its size as an earlier start read it, where its file is unchanged since (Item.identity
+    then and now); (None, None) where not known."""
     if not known or (isinstance(image, sources.Packed) and image.kind == "url"):  # a URL's identity is its bytes
-        return None
+        return None, None
     try:
-        size = known.get(sources.identity(image))
-    except (OSError, ImageRejected):
-        return None
-    return ImageInfo(size[0], size[1], "", None) if size is not None else None
+        ident = sources.identity(image)
+    except OSError:
+        return None, None
+    size = known.get(ident)
+    return ident, (ImageInfo(size[0], size[1], "", None) if size is not None else None)
 
 
 def _control_sizes(controls: tuple[Path, ...], data: DataConfig) -> tuple[tuple[tuple[int, int], ...], str]:

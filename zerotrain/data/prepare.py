@@ -32,7 +32,6 @@ from zerotrain.data.cache import (
 from zerotrain.data.dataset import Verdict, discover, enforce_counts, folder_repeat_lines, sample_rows
 from zerotrain.data.index import DatasetRecord, Index
 from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
-from zerotrain.data.sources import identity
 from zerotrain.distributed import Topology, barrier, gather_objects, patient_barrier
 from zerotrain.errors import ZerotrainError
 from zerotrain.faults import ignore_stop_signals
@@ -173,13 +172,8 @@ def stage(run: RunConfig, spec: ModelSpec, identity_: str) -> None:
 
 def _known_sizes(old: Index, before: DatasetRecord) -> dict[tuple, tuple[int, int]]:
     """A changed dataset's images as the index knows them: file identity -> upright (width, height)."""
-    known = {}
-    for p in old.planned(range(*before.rows)):
-        try:
-            known[identity(p.item.image)] = (p.item.width, p.item.height)
-        except OSError:
-            continue
-    return known
+    return {p.item.identity: (p.item.width, p.item.height) for p in old.planned(range(*before.rows))
+            if p.item.identity}
 
 
 def _cache_maps(root: Path) -> tuple[dict[str, str], dict[str, str]]:
