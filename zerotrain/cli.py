@@ -153,7 +153,7 @@ def run_cache(args: argparse.Namespace) -> int:
                   f"{epoch.dropped} dropped by bucket remainders), whatever the number of GPUs")
         except ZerotrainError as err:  # the cache is still good; training would stop here
             print(f"warning: {err}")
-        print(f"cache ready at {run.data.cache_dir}: {len(prepared.planned)} images, {len(prepared.samples)} samples "
+        print(f"cache ready at {run.data.cache_dir}: {len(prepared.index)} images, {len(prepared.samples)} samples "
               "per epoch")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -256,3 +256,31 @@ def test_a_plan_counts_the_dataloader_workers_host_ram(tmp_path):
     none, four = terms(0), terms(4)
     assert "training" not in none
     assert four["training"] == four["offload"] + 8 * 4 * PlannerConfig().loader_worker_bytes
+
+
+def test_a_plan_counts_the_dataset_index_host_ram(tmp_path):
+    """Issue 49 §2: each rank process holds planner.dataset_entry_bytes per entry of the dataset index at
+    data.cache_dir (its mapped rows, the epoch's samples, the sampler's arrays; the workers map the same file and
+    add none): the training phase counts it for each of the node's ranks."""
+    import numpy as np
+
+    from zerotrain.config import RunConfig
+    from zerotrain.data import index as data_index
+    from zerotrain.models.catalog import resolve_model
+    from zerotrain.planner.entry import plan_for_run
+
+    def terms() -> dict[str, int]:
+        run = RunConfig.model_validate({"model": {"name_or_path": "flux-dev"}, "training": {"mode": "lora"},
+                                        "hardware": {"gpus": "8xA100-80GB", "host_memory": "512GiB"},
+                                        "data": {"num_workers": 0, "cache_dir": str(tmp_path / "cache")},
+                                        "planner": {"cache_dir": str(tmp_path)}})
+        return plan_for_run(run, resolve_model(run.model)).result.chosen.memory.host_terms
+
+    assert "training" not in terms()  # no index yet: no entries counted
+    entries = 250_000
+    index = data_index.Index(np.zeros(entries, data_index.ROW), np.zeros(0, data_index.TEXT), {"datasets": []})
+    plans = tmp_path / "plans.bin"
+    plans.write_bytes(b"")
+    data_index.write(tmp_path / "cache", index, plans)
+    counted = terms()
+    assert counted["training"] == counted["offload"] + 8 * entries * PlannerConfig().dataset_entry_bytes

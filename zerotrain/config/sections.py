@@ -16,6 +16,9 @@ from zerotrain.optimizers import CLIENT_OPTIMIZERS, OPTIMIZERS
 # a node's PSS per worker (a forked worker shares nearly all of its rank's pages); the rest is room for the batches
 # it prefetches (data prefetch 2, each up to 4 samples of a 1024-px latent and a 512-token T5 embedding: 36 MiB).
 LOADER_WORKER_BYTES = 64 * 2**20
+# planner.dataset_entry_bytes: what a rank process holds per dataset entry (the dataset index's rows it maps, the
+# epoch's samples and the sampler's arrays). benchmarks/dataset_index.py measures it over a million entries.
+DATASET_ENTRY_BYTES = 200
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _BYTE_UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -527,6 +530,11 @@ class PlannerConfig(_Section):
     """Host RAM of one DataLoader worker (data.num_workers per rank): the pages of the rank's Python heap it
     copies after the fork, its allocator's arenas and prefetched batches; not the model's weights, which it
     never touches. Measured by benchmarks/loader_workers_ram.py (benchmarks/results/loader_workers_ram.json)."""
+    dataset_entry_bytes: int = Field(DATASET_ENTRY_BYTES, ge=0)
+    """Host RAM per dataset entry of each rank process: the dataset index's rows (data.index), the epoch's samples
+    and the sampler's arrays. The DataLoader workers map the rank's index file rather than copy it, so they add
+    none. Counted for the entries of the index at data.cache_dir (none before the first build). Measured by
+    benchmarks/dataset_index.py (benchmarks/results/dataset_index.json)."""
     fragmentation: float = Field(0.10, ge=0.0, le=1.0)
     """Allocator overhead as a fraction of allocated bytes (reserved/allocated - 1): 10-50% with
     changing shapes, low with expandable_segments."""

@@ -347,6 +347,12 @@ def load(root: Path) -> Index | None:
         return None
 
 
+def indexed_entries(root: Path) -> int:
+    """How many images the dataset index at this cache folder holds (0 where there is none yet)."""
+    index = load(root)
+    return len(index) if index is not None else 0
+
+
 # --------------------------------------------------------------------------------------------------
 # What a dataset depends on
 

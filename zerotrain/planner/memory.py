@@ -113,6 +113,8 @@ class Sizes:
     """Host RAM of one rank's DataLoader workers: data.num_workers processes forked from the rank, each
     planner.loader_worker_bytes (the rank's Python heap a worker touches, its prefetched batches;
     benchmarks/loader_workers_ram.py), alive while the run trains and validates."""
+    dataset_bytes: int = 0
+    """Host RAM of one rank's dataset index, samples and sampler (dataset_index_bytes), alive while it trains."""
     ema_validation: bool = False
     """Validation renders with the EMA (validation.use_ema, with prompts): while it does, each rank holds its
     trained masters on the host beside the EMA (ShardedEMA.applied)."""
@@ -550,7 +552,7 @@ def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, 
     beside the EMA it renders with)."""
     b = b or Buffers()
     offload = int(sum(host_buffers(layout, s, b).values()) * b.host_offload_factor)
-    ema, workers = ema_bytes(layout, s), s.gpus_per_node * s.loader_bytes
+    ema, workers = ema_bytes(layout, s), s.gpus_per_node * (s.loader_bytes + s.dataset_bytes)
     terms = {"model load": int(load_bytes(layout, s)), "offload": offload}
     if ema or workers:
         terms["training"] = offload + ema + workers
@@ -558,6 +560,14 @@ def host_bytes(layout: Layout, s: Sizes, b: Buffers | None = None) -> dict[str, 
         terms["validation"] = (offload + ema * (2 if s.ema_validation else 1) + workers
                                + s.gpus_per_node * s.validation_host_bytes)
     return terms
+
+
+def dataset_index_bytes(entries: int, entry_bytes: int | None = None) -> int:
+    """One rank process's host RAM for a dataset of this many entries: planner.dataset_entry_bytes each (the
+    default where not given). Its DataLoader workers map the same index file and add none."""
+    from zerotrain.config.sections import DATASET_ENTRY_BYTES
+
+    return entries * (DATASET_ENTRY_BYTES if entry_bytes is None else entry_bytes)
 
 
 def ema_bytes(layout: Layout, s: Sizes) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from zerotrain import families, optimizers
 from zerotrain.config.sections import Loading, Mode, Quantization, RunConfig
+from zerotrain.data.index import indexed_entries
 from zerotrain.deepspeed_compat import sharing_in_force
 from zerotrain.errors import ZerotrainError
 from zerotrain.hardware import HardwareFacts
@@ -25,6 +26,7 @@ from zerotrain.planner.memory import (
     Layout,
     MemoryEstimate,
     Sizes,
+    dataset_index_bytes,
     estimate,
     master_element,
     moment_bytes,
@@ -134,6 +136,7 @@ def sizes_from(facts: ModelFacts, hw: HardwareFacts, run: RunConfig) -> Sizes:
         load_whole=run.model.load is Loading.whole or run.training.lora.use_dora,
         validation_host_bytes=validation_host_bytes(facts, run),
         loader_bytes=run.data.num_workers * run.planner.loader_worker_bytes,
+        dataset_bytes=dataset_index_bytes(indexed_entries(run.data.cache_dir), run.planner.dataset_entry_bytes),
         ema=run.ema.enabled, ema_validation=run.ema.enabled and run.validation.use_ema and bool(run.validation.prompts),
     )
 
