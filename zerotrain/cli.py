@@ -216,6 +216,11 @@ def run_plan(args: argparse.Namespace, argv: list[str]) -> int:
         print_plan(result, facts, show_all=args.all, seconds=elapsed)
         if args.write_config and config is not None:
             print(f"DeepSpeed config written to {args.write_config}")
+        from zerotrain.data.cost import plan_statement
+
+        statement = plan_statement(run, spec)
+        if statement:
+            print(statement)
     return 0 if result.chosen is not None else 1
 
 

@@ -142,3 +142,57 @@ def test_the_loader_s_workers_map_the_index_rather_than_copy_it(model_dir, tmp_p
     assert isinstance(copy.index.rows, np.memmap)
     torch.testing.assert_close(copy[3]["latent_mean"], loader.dataset[3]["latent_mean"])
     assert sum(batch["latent_mean"].shape[0] for batch in loader) == 8
+
+
+def test_the_cache_size_is_stated_before_encoding_and_is_the_cache_s(model_dir, tmp_path, capsys):
+    """Issue 49 §2: zerotrain cache states the cache's size on disk before it encodes anything; the figure is
+    within 1% of the shards the build writes; the next start has nothing left to encode."""
+    from zerotrain.cli import main
+    from zerotrain.data.cost import cache_cost
+
+    images = shutil.copytree(TINY_DATA, tmp_path / "images")
+    args = [f"model.name_or_path={model_dir}", f"data.datasets=[{{path: '{images}'}}]", "data.resolution=64",
+            "data.bucket_step=16", "data.min_image_size=16", f"data.cache_dir={tmp_path / 'cache'}", "data.flip=true"]
+    assert main(["cache", *(a for item in args for a in ("--set", item))]) == 0
+    out = capsys.readouterr().out
+    statement = next(line for line in out.splitlines() if line.startswith("cache size on disk: "))
+    assert out.index("cache size on disk") < out.index("encoding images"), out
+    assert "for 8 images" in statement and "and 4 captions" in statement and "free at" in statement, statement
+    run = load_config(None, args)
+    spec = resolve_model(run.model)
+    cost = cache_cost(spec, data_index.load(run.data.cache_dir), 512, True)
+    written = sum(f.stat().st_size for kind in ("latents", "text") for f in (tmp_path / "cache" / kind).iterdir())
+    assert abs(cost.total - written) <= 0.01 * written, (cost, written)
+    assert cost.missing_bytes == 0 and not cost.at_most  # Flux's T5 embeddings are stored at full length
+    assert main(["cache", *(a for item in args for a in ("--set", item))]) == 0
+    assert "0 B of it still to encode" in capsys.readouterr().out
+
+
+def test_a_cache_the_disk_cannot_hold_is_refused_before_encoding(model_dir, tmp_path, monkeypatch):
+    import zerotrain.data.prepare as prepare_module
+    from zerotrain.errors import ZerotrainError
+
+    images = shutil.copytree(TINY_DATA, tmp_path / "images")
+    monkeypatch.setattr(prepare_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    with pytest.raises(ZerotrainError, match=r"^data.cache_dir: .*cache has 4.0 KiB free, and the cache needs .* more "
+                                             r"for this dataset \(8 images, 4 captions;"):
+        start(model_dir, images, tmp_path)
+    assert not (tmp_path / "cache" / "latents").exists() or not any((tmp_path / "cache" / "latents").iterdir())
+
+
+def test_zerotrain_plan_states_the_cache_size_from_the_index(model_dir, tmp_path, capsys):
+    from zerotrain.cli import main
+
+    images = shutil.copytree(TINY_DATA, tmp_path / "images")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{name_or_path: {model_dir}}}\ndata: {{datasets: [{{path: '{images}'}}], resolution: 64, "
+                      f"bucket_step: 16, min_image_size: 16, cache_dir: {tmp_path / 'cache'}}}\n"
+                      f"planner: {{cache_dir: {tmp_path / 'facts'}}}\nhardware: {{gpus: 1, gpu_memory: 8GiB}}\n")
+    main(["plan", "--config", str(config)])
+    assert f"cache size on disk: zerotrain cache states it before it encodes anything (no dataset index at " \
+           f"{tmp_path / 'cache'} yet)" in capsys.readouterr().out
+    assert main(["cache", "--config", str(config)]) == 0
+    capsys.readouterr()
+    main(["plan", "--config", str(config)])
+    out = capsys.readouterr().out
+    assert "cache size on disk: " in out and "for 8 images" in out and "(the dataset index at" in out, out

@@ -9,12 +9,14 @@ and trains from the index's arrays: no start probes an image that the index alre
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from zerotrain import families
 from zerotrain.config.sections import RunConfig
 from zerotrain.data import index as data_index
 from zerotrain.data.buckets import format_histogram, histogram
@@ -29,6 +31,7 @@ from zerotrain.data.cache import (
     read_index,
     write_index,
 )
+from zerotrain.data.cost import cache_cost, size
 from zerotrain.data.dataset import Verdict, discover, enforce_counts, folder_repeat_lines, sample_rows
 from zerotrain.data.index import DatasetRecord, Index
 from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
@@ -220,6 +223,12 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
     patient_barrier("rank 0's index of the datasets")
     _agree(failure)
     index = data_index.load(root)
+    if topo.is_main:
+        try:
+            state_cost(run, spec, index)
+        except ZerotrainError as err:
+            failure = str(err)
+    _agree(failure)
     # What the summary reports as found: the verdicts of discovery and of earlier builds (this build's are listed
     # on their own), the images and samples as planned.
     counts = data_index.merge_counts(DatasetRecord.from_json(r).verdicts for r in index.meta["datasets"])
@@ -255,6 +264,20 @@ def prepare(run: RunConfig, spec: ModelSpec, topo: Topology, device: str | torch
     samples = sample_rows(index.rows["dataset"], index.rows["repeats"], shares, run.training.seed)
     folders = {i: r.repeat_folders for i, r in enumerate(records) if r.repeat_folders}
     return Prepared(index, samples, report, rejected, counts, folders, found)
+
+
+def state_cost(run: RunConfig, spec: ModelSpec, index: Index) -> None:
+    """Rank 0, before anything is encoded: the cache's size on disk for this dataset and family, and what of it is
+    still to encode; one line refusing the build where the disk cannot hold that."""
+    text_tokens = run.data.text_tokens or families.of(spec).default_text_tokens
+    cost = cache_cost(spec, index, text_tokens, run.data.flip)
+    root = run.data.cache_dir
+    free = shutil.disk_usage(root).free
+    print(cost.line(free, root), flush=True)
+    if cost.missing_bytes > free:
+        raise ZerotrainError(f"data.cache_dir: {root} has {size(free)} free, and the cache needs {size(cost.missing_bytes)} "
+                             f"more for this dataset ({cost.images:,} images, {cost.captions:,} captions; "
+                             f"{size(cost.total)} in all); free space there, or set data.cache_dir to a larger disk")
 
 
 def _finish(root: Path, index: Index, missing: np.ndarray, planned: list[Planned], rejected: list[Verdict]) -> None:
