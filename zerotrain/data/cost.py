@@ -13,6 +13,7 @@ Each tensor also takes its safetensors header entry (its name, dtype, shape and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -113,10 +114,39 @@ def cache_cost(spec: ModelSpec, index, text_tokens: int, flip: bool) -> CacheCos
                      missing_images + missing_captions * per_caption)
 
 
+def estimate(run, spec: ModelSpec) -> CacheCost:
+    """The cache's size before the first build, from the datasets' listings (no image is read, captions are):
+    every listed image at about data.resolution squared pixels (every bucket has about as many), its mask where it
+    has one, and every distinct caption variant (data.dataset.caption_variants), the empty one with caption
+    dropout. Images that would be rejected are counted."""
+    from zerotrain.data.dataset import caption_variants, listed
+
+    data = run.data
+    family = families.of(spec)
+    grid = (data.resolution // spec.vae_scale_factor) ** 2
+    pair = 2 * (2 if data.flip else 1)
+    per_image = pair * (spec.latent_channels * grid * STORE_BYTES + TENSOR_HEADER)
+    images, image_bytes, texts = 0, 0, set()
+    for index, entries in listed(data):
+        dataset = data.datasets[index]
+        for entry in entries:
+            images += 1
+            image_bytes += per_image + (grid * STORE_BYTES + TENSOR_HEADER if entry.mask and data.mask == "file" else 0)
+            if entry.texts is not None:
+                texts.update(caption_variants(entry.texts, dataset))
+            else:
+                texts.add(entry.image.stem.replace("_", " ") if data.missing_caption == "filename" else "")
+        if (data.caption_dropout if dataset.caption_dropout is None else dataset.caption_dropout) > 0:
+            texts.add("")
+    per_caption, trimmed = caption_bytes(spec, data.text_tokens or family.default_text_tokens)
+    return CacheCost(images, image_bytes, len(texts), len(texts) * per_caption, per_caption, trimmed,
+                     image_bytes + len(texts) * per_caption)
+
+
 def plan_statement(run, spec: ModelSpec) -> str | None:
     """zerotrain plan's line for a config with data: the cache's size as the dataset index at data.cache_dir plans
-    it (from the last zerotrain cache or training start; reading every image's header is that command's work, not
-    the plan's); where there is no index yet, where the size will be stated. None without datasets."""
+    it (from the last zerotrain cache or training start), or before the first, as estimate() reckons it from the
+    datasets' listings. None without datasets."""
     import shutil
 
     from zerotrain.data.index import load
@@ -124,10 +154,13 @@ def plan_statement(run, spec: ModelSpec) -> str | None:
     if not run.data.datasets:
         return None
     root = run.data.cache_dir
+    free_at = root if root.exists() else next((p for p in root.parents if p.exists()), Path("."))
+    free = shutil.disk_usage(free_at).free
     index = load(root)
     if index is None or not len(index):
-        return (f"cache size on disk: zerotrain cache states it before it encodes anything (no dataset index at {root} "
-                "yet)")
+        cost = estimate(run, spec)
+        return (f"{cost.line(free, free_at)} (estimated from the datasets' listings, each image at about "
+                f"{run.data.resolution} px square; zerotrain cache states it exactly before it encodes anything)")
     text_tokens = run.data.text_tokens or families.of(spec).default_text_tokens
     cost = cache_cost(spec, index, text_tokens, run.data.flip)
-    return f"{cost.line(shutil.disk_usage(root).free, root)} (the dataset index at {root}, as last built)"
+    return f"{cost.line(free, root)} (the dataset index at {root}, as last built)"

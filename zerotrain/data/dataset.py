@@ -306,6 +306,13 @@ def dataset_kind(dataset: DatasetConfig) -> sources.Kind:
     return sources.detect(dataset.path) if dataset.format == "auto" else dataset.format
 
 
+def listed(data: DataConfig) -> list[tuple[int, list[Entry]]]:
+    """Every dataset's entries as it lists them, without reading an image (its captions are read): what the plan
+    estimates the cache from before the first build."""
+    discovery = Discovery()
+    return [(index, _entries(dataset, index, discovery)) for index, dataset in enumerate(data.datasets)]
+
+
 def _entries(dataset: DatasetConfig, index: int, discovery: Discovery) -> list[Entry]:
     """A dataset's entries, by its kind; a source that cannot be read at all is one line (ZerotrainError)."""
     kind = dataset_kind(dataset)

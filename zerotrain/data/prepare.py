@@ -81,10 +81,10 @@ class Prepared:
         lines.append(f"cache: {self.report.latents_encoded} images and {self.report.texts_encoded} captions encoded "
                      f"on this rank, {self.report.latents_cached} images and {self.report.texts_cached} captions "
                      "already cached")
-        ids, counts = np.unique(self.index.rows["bucket_id"][self.samples], return_counts=True)
-        first = {int(b): int(np.argmax(self.index.rows["bucket_id"] == b)) for b in ids}
-        buckets = [tuple(int(v) for v in self.index.rows["bucket"][first[int(b)]]) for b in ids]
-        lines += format_histogram(histogram(dict(zip(buckets, counts.tolist(), strict=True))), len(self.samples))
+        rows = self.samples
+        _, first, counts = np.unique(self.index.rows["bucket_id"][rows], return_index=True, return_counts=True)
+        buckets = [tuple(int(v) for v in self.index.rows["bucket"][rows[i]]) for i in first]
+        lines += format_histogram(histogram(dict(zip(buckets, counts.tolist(), strict=True))), len(rows))
         return lines
 
     def epoch(self, global_batch: int) -> EpochPlan:
