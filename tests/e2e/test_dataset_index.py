@@ -65,19 +65,24 @@ def test_a_second_start_reads_the_index_and_no_image(model_dir, tmp_path, probes
     assert batch["latent_mean"].shape[0] == 1 and batch["prompt_embeds"].dtype == torch.bfloat16
 
 
-def test_a_changed_folder_is_read_again_only_where_it_changed(model_dir, tmp_path, probes):
+@pytest.mark.parametrize("check", ["files", "folders"])
+def test_a_changed_folder_is_read_again_only_where_it_changed(model_dir, tmp_path, probes, check):
     """A new image and a caption edited in place: only the new image's header is read, and only it and the two
-    captions are encoded."""
+    captions are encoded. data.index_check folders sees the new file in its folder's listing; a file rewritten
+    in place alone it does not see (as documented), files does."""
     images = shutil.copytree(TINY_DATA, tmp_path / "images")
-    start(model_dir, images, tmp_path)
+    start(model_dir, images, tmp_path, f"data.index_check={check}")
     probes.clear()
+    (images / "01-green-circle.txt").write_text("an edited caption")
+    _, edited = start(model_dir, images, tmp_path, f"data.index_check={check}")
+    assert probes == [] and edited.report.texts_encoded == (1 if check == "files" else 0)
     shutil.copy(images / "00-red-square.png", images / "zz-new.png")
     (images / "zz-new.txt").write_text("a new caption")
-    (images / "01-green-circle.txt").write_text("an edited caption")
-    _, changed = start(model_dir, images, tmp_path)
+    (images / "02-blue-square.txt").write_text("another edited caption")
+    _, changed = start(model_dir, images, tmp_path, f"data.index_check={check}")
     assert probes == [str(images / "zz-new.png")]
-    assert (changed.report.latents_encoded, changed.report.texts_encoded) == (1, 2)
-    assert {p.item.caption for p in changed.planned} >= {"a new caption", "an edited caption"}
+    assert (changed.report.latents_encoded, changed.report.texts_encoded) == (1, 2 if check == "files" else 3)
+    assert {p.item.caption for p in changed.planned} >= {"a new caption", "an edited caption", "another edited caption"}
     assert len(changed.index) == 9
 
 

@@ -357,10 +357,11 @@ def indexed_entries(root: Path) -> int:
 # What a dataset depends on
 
 
-def signature(dataset: DatasetConfig, depends: list[str]) -> str:
-    """A digest of everything a dataset's images are read from, without opening an image: its folder's files
-    (and control folders') with their sizes and mtimes; its shards', tables' or manifest's identities; the local
-    files a manifest names (`depends`), each with its size and mtime, or absent."""
+def signature(dataset: DatasetConfig, depends: list[str], check: str = "files") -> str:
+    """A digest of everything a dataset's images are read from, without opening an image: its folder's files (and
+    control folders') with their sizes and mtimes (check "folders": each folder's mtime and listing); its shards',
+    tables' or manifest's identities; the local files a manifest names (`depends`), each with its size and mtime,
+    or absent (check "folders": their folders' mtimes and listings)."""
     from zerotrain.data import sources
     from zerotrain.data.dataset import dataset_kind
 
@@ -368,36 +369,57 @@ def signature(dataset: DatasetConfig, depends: list[str]) -> str:
     kind = dataset_kind(dataset)
     if kind == "folder" and isinstance(dataset.path, Path):
         for root in (dataset.path, *dataset.controls):
-            _walk(root, digest)
+            _walk(str(root), digest, files=check == "files")
     elif kind == "jsonl" and isinstance(dataset.path, Path):
         _stat(str(dataset.path), digest)
     else:
         suffixes = (".tar",) if kind == "webdataset" else sources.TABLE_SUFFIXES
         for location, identity in sources.source_files(dataset, -1, suffixes):
             digest.update(f"{location}\0{identity}\n".encode())
-    for path in depends:
-        _stat(path, digest)
+    if check == "files":
+        for path in depends:
+            _stat(path, digest)
+    else:
+        for folder in sorted({os.path.dirname(path) for path in depends}):
+            _listing(folder, digest)
     return digest.hexdigest()[:32]
 
 
-def _walk(root: Path, digest: Any) -> None:
-    stack = [str(root)]
+def _walk(root: str, digest: Any, files: bool) -> None:
+    """A folder tree into the digest, folder by folder: each file's name, size and mtime (files), or each folder's
+    mtime and its names."""
+    stack = [root]
     while stack:
         top = stack.pop()
+        names, folders = [], []
         try:
-            entries = sorted(os.scandir(top), key=lambda e: e.name)
+            with os.scandir(top) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=True):
+                        folders.append(entry.name)
+                    elif files:
+                        try:
+                            stat = entry.stat()
+                            names.append(f"{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}")
+                        except OSError:
+                            names.append(f"{entry.name}\0gone")
+                    else:
+                        names.append(entry.name)
+            mtime = "" if files else str(os.stat(top).st_mtime_ns)
         except OSError:
             digest.update(f"{top}\0unreadable\n".encode())
             continue
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=True):
-                stack.append(entry.path)
-            else:
-                try:
-                    stat = entry.stat()
-                    digest.update(f"{entry.path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-                except OSError:
-                    digest.update(f"{entry.path}\0gone\n".encode())
+        names.sort()
+        digest.update(f"{top}\0{mtime}\n".encode() + "\n".join(names).encode() + b"\n")
+        stack += [os.path.join(top, name) for name in sorted(folders, reverse=True)]
+
+
+def _listing(folder: str, digest: Any) -> None:
+    try:
+        names = sorted(os.listdir(folder))
+        digest.update(f"{folder}\0{os.stat(folder).st_mtime_ns}\n".encode() + "\0".join(names).encode() + b"\n")
+    except OSError:
+        digest.update(f"{folder}\0absent\n".encode())
 
 
 def _stat(path: str, digest: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +19,9 @@ import torch
 from zerotrain import families
 from zerotrain.config.sections import RunConfig
 from zerotrain.data import index as data_index
-from zerotrain.data.buckets import format_histogram, histogram
+from zerotrain.data.buckets import CropPlan, format_histogram, histogram
 from zerotrain.data.cache import (
+    CACHE_VERSION,
     BuildReport,
     CachedDataset,
     Planned,
@@ -32,7 +33,7 @@ from zerotrain.data.cache import (
     write_index,
 )
 from zerotrain.data.cost import cache_cost, size
-from zerotrain.data.dataset import Verdict, discover, enforce_counts, folder_repeat_lines, sample_rows
+from zerotrain.data.dataset import Item, Verdict, discover, enforce_counts, folder_repeat_lines, sample_rows
 from zerotrain.data.index import DatasetRecord, Index
 from zerotrain.data.sampler import BucketBatchSampler, EpochPlan
 from zerotrain.distributed import Topology, barrier, gather_objects, patient_barrier
@@ -116,9 +117,12 @@ def fingerprint(run: RunConfig, spec: ModelSpec, identity: str) -> str:
     crops are random, and the data section's fields that change what is found or how it is planned (not those
     that only judge it, such as bad_files, or only read it, such as num_workers)."""
     data = run.data.model_dump(mode="json", exclude={"datasets", "cache_dir", "num_workers", "bad_files",
-                                                     "max_rejected_fraction", "unmasked_weight"})
+                                                     "max_rejected_fraction", "unmasked_weight", "index_check"})
     seed = run.training.seed if run.data.crop == "random" else None
-    return data_index.digest(data_index.INDEX_VERSION, identity, spec.family, spec.name, data, seed)
+    # The plans are pickled: a version whose Item or Planned has other fields plans again rather than unpickle them.
+    shapes = [[f.name for f in fields(kind)] for kind in (Item, Planned, CropPlan)]
+    return data_index.digest(data_index.INDEX_VERSION, CACHE_VERSION, shapes, identity, spec.family, spec.name, data,
+                             seed)
 
 
 def stage(run: RunConfig, spec: ModelSpec, identity_: str) -> None:
@@ -135,7 +139,7 @@ def stage(run: RunConfig, spec: ModelSpec, identity_: str) -> None:
     records: list[DatasetRecord] = []
     for i, dataset in enumerate(data.datasets):
         before = prior[i] if i < len(prior) else None
-        if before is not None and data_index.signature(dataset, before.depends) == before.signature:
+        if before is not None and data_index.signature(dataset, before.depends, data.index_check) == before.signature:
             parts.append((data_index.take(old, np.arange(*before.rows)), None))
             records.append(before)
             continue
@@ -143,7 +147,7 @@ def stage(run: RunConfig, spec: ModelSpec, identity_: str) -> None:
         planned, skipped = plan_items(discovery, run, spec, identity_)
         discovery.verdicts += skipped
         depends = discovery.depends.get(i, [])
-        records.append(DatasetRecord(data_index.signature(dataset, depends),
+        records.append(DatasetRecord(data_index.signature(dataset, depends, data.index_check),
                                      verdicts=data_index.verdict_counts(discovery.verdicts),
                                      repeat_folders={k: int(v) for k, v in discovery.repeat_folders.get(i, {}).items()},
                                      depends=depends))
