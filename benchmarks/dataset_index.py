@@ -128,7 +128,7 @@ def child_overrides(path: str, cache: Path, models: Path) -> list[str]:
     return ["model.name_or_path=tiny-flux", f"data.datasets=[{{path: '{path}'}}]", "data.resolution=64",
             "data.bucket_step=16", "data.min_image_size=16", f"data.cache_dir={cache}", "data.num_workers=2",
             "training.global_batch_size=8", f"planner.cache_dir={models}",
-            f"data.index_check={os.environ.get('ZEROTRAIN_BENCH_CHECK', 'files')}"]
+            *(["data.index_check=folders"] if os.environ.get("ZEROTRAIN_BENCH_CHECK") == "folders" else [])]
 
 
 def memory(pid: int) -> dict[str, int]:
@@ -306,7 +306,11 @@ def main() -> None:
               "webdataset": lambda: make_shards(root, args.entries, files)}
     results: dict = {"entries": args.entries, "distinct_files": DISTINCT, "machine": platform.node(),
                      "cpus": os.cpu_count(), "forms": {}}
+    if args.out.is_file():  # a run that stopped part-way: the forms it finished are kept
+        results = json.loads(args.out.read_text())
     for form in args.forms.split(","):
+        if "resumed" in results["forms"].get(form, {}):
+            continue
         log(f"{form}: writing {args.entries:,} entries")
         start = time.perf_counter()
         path = makers[form]()
@@ -326,11 +330,13 @@ def main() -> None:
         log(f"{form}: resumed start {resumed['seconds']} s, arrays {resumed['array_bytes_per_entry']} B per entry")
         results["forms"][form] = {"path": path, "written_seconds": written, "first": first, "cache": filled,
                                   "resumed": resumed}
-        if args.before is not None and form == "folder":
-            log("folder: the code before the index")
-            results["forms"][form]["before"] = child("before", path, root / "cache-before", models, args.before)
-            log(f"before: {results['forms'][form]['before']['seconds']} s")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if args.before is not None and "folder" in results["forms"] and "before" not in results["forms"]["folder"]:
+        log("folder: the code before the index")
+        before = child("before", results["forms"]["folder"]["path"], root / "cache-before", models, args.before)
+        results["forms"]["folder"]["before"] = before
+        log(f"before: {before['seconds']} s")
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     log(f"wrote {args.out}")
 
