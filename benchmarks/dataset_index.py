@@ -12,9 +12,10 @@ both data.index_check settings):
   resumed     prepare() over a cache that holds every entry, as a resumed run's start does, then make_loader with
               2 workers and 8 batches read; its seconds, and each process's RSS and USS (its private pages) with
               the workers' own, against the plan's figure (planner.dataset_entry_bytes per entry per process)
-The cache's tensors for N entries are written once per form by the benchmark itself (zeros of the tiny VAE's
-latent and text shapes, under the keys the index planned; encoding a million images on 2 CPU cores would take
-hours, and a start reads the index and maps the shards' names, never their values).
+The cache's tensors for N entries are written once per form by the benchmark itself (one element each, under the
+keys the index planned, in shards of 64 as a build writes them; encoding a million images on 2 CPU cores would
+take hours and the tiny model's real latents 64 GB of disk, and a start maps the shards' names, never their
+tensors). The loader's 8 batches are read from those tensors, so its figures are the loader's, not a real batch's.
 
 --before PATH runs the same first build with the code at PATH (a git worktree of an earlier commit, which reads
 folders only and has no index, so that every start was a first build): its seconds and RSS.
@@ -170,16 +171,17 @@ def fill_cache(path: str, cache: Path, models: Path) -> dict:
     index = data_index.load(cache)
     start = time.perf_counter()
     latent_rows = np.flatnonzero(index.rows["latent_shard"] == data_index.ABSENT)
-    mean = torch.zeros(16, 32, 32, dtype=torch.bfloat16)  # the largest tiny latent: 64 px / 2, 16 channels
+    # One element each: a start maps the shards' names, never their tensors (a million of the tiny model's real
+    # latents would take 64 GB of disk).
+    mean = torch.zeros(1, 1, 1, dtype=torch.bfloat16)
     for chunk in range(0, len(latent_rows), SHARD_ITEMS):
         tensors = {}
         for row in latent_rows[chunk:chunk + SHARD_ITEMS]:
             key = index.latent_key(int(row))
-            h, w = (int(v) // 2 for v in index.rows["bucket"][row][::-1])
-            tensors[f"{key}.mean"], tensors[f"{key}.std"] = mean[:, :h, :w].clone(), mean[:, :h, :w].clone()
+            tensors[f"{key}.mean"], tensors[f"{key}.std"] = mean.clone(), mean.clone()
         write_shard(cache / "latents", 0, tensors)
     keys = sorted({index.text_key(t) for t in np.flatnonzero(index.texts["shard"] == data_index.ABSENT).tolist()})
-    embeds, pooled = torch.zeros(512, 32, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)
+    embeds, pooled = torch.ones(1, 1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
     for chunk in range(0, len(keys), SHARD_ITEMS):
         write_shard(cache / "text", 0, {f"{key}.{name}": value for key in keys[chunk:chunk + SHARD_ITEMS]
                                         for name, value in (("prompt_embeds", embeds.clone()),
