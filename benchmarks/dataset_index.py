@@ -170,7 +170,12 @@ def fill_cache(path: str, cache: Path, models: Path) -> dict:
 
     index = data_index.load(cache)
     start = time.perf_counter()
-    latent_rows = np.flatnonzero(index.rows["latent_shard"] == data_index.ABSENT)
+    # Keys whose shard is gone (a cache removed under its index) are written again too.
+    present = {kind: set(os.listdir(cache / kind)) if (cache / kind).is_dir() else set() for kind in ("latents", "text")}
+    gone = {kind: np.array([name not in present[kind] for name in names] or [True])
+            for kind, names in (("latents", index.latent_shards), ("text", index.text_shards))}
+    latent_rows = np.flatnonzero((index.rows["latent_shard"] == data_index.ABSENT)
+                                 | gone["latents"][np.maximum(index.rows["latent_shard"], 0)])
     # One element each: a start maps the shards' names, never their tensors (a million of the tiny model's real
     # latents would take 64 GB of disk).
     mean = torch.zeros(1, 1, 1, dtype=torch.bfloat16)
@@ -180,7 +185,8 @@ def fill_cache(path: str, cache: Path, models: Path) -> dict:
             key = index.latent_key(int(row))
             tensors[f"{key}.mean"], tensors[f"{key}.std"] = mean.clone(), mean.clone()
         write_shard(cache / "latents", 0, tensors)
-    keys = sorted({index.text_key(t) for t in np.flatnonzero(index.texts["shard"] == data_index.ABSENT).tolist()})
+    text_rows = np.flatnonzero((index.texts["shard"] == data_index.ABSENT) | gone["text"][np.maximum(index.texts["shard"], 0)])
+    keys = sorted({index.text_key(t) for t in text_rows.tolist()})
     embeds, pooled = torch.ones(1, 1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)
     for chunk in range(0, len(keys), SHARD_ITEMS):
         write_shard(cache / "text", 0, {f"{key}.{name}": value for key in keys[chunk:chunk + SHARD_ITEMS]

@@ -17,7 +17,8 @@ from zerotrain.optimizers import CLIENT_OPTIMIZERS, OPTIMIZERS
 # it prefetches (data prefetch 2, each up to 4 samples of a 1024-px latent and a 512-token T5 embedding: 36 MiB).
 LOADER_WORKER_BYTES = 64 * 2**20
 # planner.dataset_entry_bytes: what a rank process holds per dataset entry (the dataset index's rows it maps, the
-# epoch's samples and the sampler's arrays). benchmarks/dataset_index.py measures it over a million entries.
+# epoch's samples and the sampler's arrays). benchmarks/dataset_index.py measured 193.5 bytes of RSS per entry over a
+# million entries (146 of them arrays).
 DATASET_ENTRY_BYTES = 200
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _BYTE_UNITS = {
@@ -367,11 +368,11 @@ class DataConfig(_Section):
     """DataLoader worker processes per rank."""
     index_check: Literal["files", "folders"] = "files"
     """How a start tells whether a folder dataset (or the local files a manifest names) changed since the dataset
-    index was built. files: every file's size and mtime, which sees a file rewritten in place (a stat per file:
-    about 13 s per million images and their captions on a 2-core VM's disk, more on NFS). folders: each folder's
-    mtime and listing, about 1 s per million; it sees files added, removed or renamed (how most tools replace a
-    file), not one rewritten in place under its name: touch its folder, or use files. Shards and tables are
-    checked by their own size and mtime (or ETag) either way."""
+    index was built. files: every file's size and mtime, which sees a file rewritten in place (a stat per file: a
+    resumed start over a million images and their captions took 8.9 s on a 2-core VM's disk, more on NFS).
+    folders: each folder's mtime and listing (2.2 s); it sees files added, removed or renamed (how most tools
+    replace a file), not one rewritten in place under its name: touch its folder, or use files. Switching reads
+    every caption again. Shards and tables are checked by their own size and mtime (or ETag) either way."""
 
     @model_validator(mode="after")
     def _shares(self) -> DataConfig:
