@@ -82,6 +82,15 @@ def test_webdataset_shards_by_brace_pattern(tmp_path, caption):
     assert str(found.items[3].image) == f"{tmp_path}/shards-0001.tar:{ROWS[3][0]}.png"
 
 
+def test_webdataset_shards_by_list(tmp_path):
+    write_shards(tmp_path, ROWS, per_shard=3)
+    shards = [str(tmp_path / f"shards-{k:04d}.tar") for k in (2, 0)]  # in the order given
+    found = discover(data({"path": shards}))
+    assert seen(found) == EXPECTED[6:] + EXPECTED[:3] and not found.verdicts
+    with pytest.raises(ValueError, match=r"absent.tar does not exist"):
+        data({"path": [shards[0], str(tmp_path / "absent.tar")]})
+
+
 def test_webdataset_masks_are_read_from_key_mask_png(tmp_path):
     mask = io.BytesIO()
     Image.new("L", Image.open(io.BytesIO(ROWS[0][1])).size, 128).save(mask, "PNG")

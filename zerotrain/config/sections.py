@@ -219,12 +219,12 @@ def has_pattern(location: str) -> bool:
 
 
 class DatasetConfig(_Section):
-    path: Path | str
+    path: Path | str | list[str]
     """Where the images are (format tells how they are laid out): a folder of images (searched recursively;
     captions in sidecar files of the same stem); a JSONL manifest of {"image": path, "caption": text} lines; a
     Hugging Face dataset (a save_to_disk folder, a folder of parquet shards, or a hub dataset as
     hf://datasets/owner/name[@revision], through the Hugging Face cache); WebDataset tar shards
-    (shards-{0000..0099}.tar); a CSV, TSV or parquet manifest of image paths or URLs with captions. Shards,
+    (shards-{0000..0099}.tar, or a list of shards); a CSV, TSV or parquet manifest of image paths or URLs with captions. Shards,
     tables and manifests may be remote: s3://, gs://, https:// (fsspec, credentials from the environment).
     Relative paths are from the working directory; paths in a manifest are relative to the manifest."""
     format: Literal["auto", "folder", "jsonl", "table", "webdataset"] = "auto"
@@ -280,9 +280,13 @@ class DatasetConfig(_Section):
 
     @field_validator("path", mode="before")
     @classmethod
-    def _exists(cls, value: Any) -> Path | str:
+    def _exists(cls, value: Any) -> Path | str | list[str]:
         """URLs and brace patterns stay text (their files are checked when the data is read); a local path
-        must exist."""
+        must exist. A list (of shards or tables) is checked item by item and stays a list of text."""
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("an empty list names no shards or tables")
+            return [str(cls._exists(item)) for item in value]
         text = str(value)
         if is_remote(text) or has_pattern(text):
             return text

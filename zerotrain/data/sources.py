@@ -61,8 +61,10 @@ def expand_braces(pattern: str) -> list[str]:
     return [head + choice + rest for choice in choices for rest in expand_braces(tail)]
 
 
-def detect(location: Path | str) -> Kind:
-    """The kind of a dataset's path, from its form (format: auto)."""
+def detect(location: Path | str | list[str]) -> Kind:
+    """The kind of a dataset's path, from its form (format: auto); a list's from its first item."""
+    if isinstance(location, list):
+        return detect(location[0]) if not Path(location[0]).is_dir() else "table"
     text = str(location)
     if isinstance(location, Path) and location.is_dir():
         if (location / "state.json").is_file() or any(location.glob("*.arrow")):
@@ -306,15 +308,16 @@ def _where(index: int) -> str:
 def source_files(dataset: DatasetConfig, index: int, suffixes: tuple[str, ...]) -> list[tuple[str, tuple]]:
     """The files a table or shard dataset names, with each one's content identity: a file, a folder of them
     (split by data.datasets[].split where names say so), a brace pattern, or a hub dataset id."""
-    location = str(dataset.path)
+    locations = dataset.path if isinstance(dataset.path, list) else [str(dataset.path)]
+    location = locations[0] if len(locations) == 1 else ", ".join(locations)
     if location.startswith(HUB):
-        location = _hub_snapshot(location, index)
+        locations = [_hub_snapshot(location, index)]
     if isinstance(dataset.path, Path) and (dataset.path / "state.json").is_file():
         state = json.loads((dataset.path / "state.json").read_text())
         names = [dataset.path / f["filename"] for f in state.get("_data_files", [])]
         return [(str(p), _local_identity(p)) for p in names]
     out = []
-    for name in expand_braces(location):
+    for name in (name for given in locations for name in expand_braces(given)):
         fs, path = filesystem(name, dataset.timeout_seconds)
         try:
             folder = fs.isdir(path)
