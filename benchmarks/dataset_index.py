@@ -140,18 +140,24 @@ def memory(pid: int) -> dict[str, int]:
             "pss": rollup.get("Pss", 0)}
 
 
-def run_first(path: str, cache: Path, models: Path) -> dict:
-    """Rank 0's first index build, alone."""
+def planned_run(path: str, cache: Path, models: Path):
+    """The child's run config, model spec and encoders' identity (the same calls in the code before the index)."""
     from zerotrain.config import load_config
     from zerotrain.data.cache import encode_dtype, model_folder
-    from zerotrain.data.prepare import stage
     from zerotrain.distributed import Topology
     from zerotrain.models.catalog import resolve_model
     from zerotrain.models.conditioning import encoders_identity
 
     run = load_config(None, child_overrides(path, cache, models))
     spec = resolve_model(run.model)
-    identity = encoders_identity(spec, model_folder(spec, run, Topology(0, 1, 0), "encode"), encode_dtype("cpu"))
+    return run, spec, encoders_identity(spec, model_folder(spec, run, Topology(0, 1, 0), "encode"), encode_dtype("cpu"))
+
+
+def run_first(path: str, cache: Path, models: Path) -> dict:
+    """Rank 0's first index build, alone."""
+    from zerotrain.data.prepare import stage
+
+    run, spec, identity = planned_run(path, cache, models)
     before = memory(os.getpid())
     start = time.perf_counter()
     stage(run, spec, identity)
@@ -236,16 +242,10 @@ def run_resumed(path: str, cache: Path, models: Path) -> dict:
 
 def run_before(path: str, cache: Path, models: Path) -> dict:
     """The code before the index (a worktree on sys.path first): every start discovered and planned every image."""
-    from zerotrain.config import load_config
-    from zerotrain.data.cache import encode_dtype, model_folder, plan_items
+    from zerotrain.data.cache import plan_items
     from zerotrain.data.dataset import discover
-    from zerotrain.distributed import Topology
-    from zerotrain.models.catalog import resolve_model
-    from zerotrain.models.conditioning import encoders_identity
 
-    run = load_config(None, child_overrides(path, cache, models))
-    spec = resolve_model(run.model)
-    identity = encoders_identity(spec, model_folder(spec, run, Topology(0, 1, 0), "encode"), encode_dtype("cpu"))
+    run, spec, identity = planned_run(path, cache, models)
     before = memory(os.getpid())
     start = time.perf_counter()
     discovery = discover(run.data)

@@ -2,7 +2,8 @@
 zerotrain reads besides a folder, each holding examples/tiny-data's 8 images: a save_to_disk folder, a hub dataset id
 through the Hugging Face cache (HF_HUB_OFFLINE=1), WebDataset shards over HTTP, a CSV of image URLs over HTTP, a TSV
 of paths and a parquet manifest. Both ranks read every source (the URLs from a server on 127.0.0.1, as an object
-store answers), the cache holds the 48 images, and the run trains its steps."""
+store answers), the cache holds the 48 images, and the run trains its steps with the default 2 DataLoader workers
+per rank, which map the dataset index."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_every_source_trains_on_two_ranks(train, tmp_path, monkeypatch):
         forms = write_every_form(root, server)
         datasets = [forms[name] for name in ("save_to_disk", "hub id", "webdataset over http", "csv of urls over http",
                                              "tsv of paths", "parquet manifest")]
-        result = train("sources", "training.max_steps=2", "training.checkpoint_every=1000",
+        result = train("sources", "training.max_steps=2", "training.checkpoint_every=1000", "data.num_workers=2",
                        "data.datasets=[" + ", ".join(f"{{path: '{d}'}}" for d in datasets) + "]").check()
         fetched = {path for _, path, _ in server.requests}
     assert "48 images, 48 samples per epoch with repeats" in result.log, result.tails()

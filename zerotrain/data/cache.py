@@ -56,7 +56,7 @@ from zerotrain.data.buckets import CropPlan, apply_crop, assign_bucket, bucket_s
 from zerotrain.data.dataset import Discovery, Item, Verdict
 from zerotrain.data.images import ImageRejected, load_mask, load_rgb
 from zerotrain.data.index import Index, from_planned, key_text
-from zerotrain.data.sources import identity
+from zerotrain.data.sources import identity as file_identity
 from zerotrain.distributed import Topology, barrier, on_each_node
 from zerotrain.errors import ZerotrainError
 from zerotrain.models.fine_tune import fine_tune_folder
@@ -153,9 +153,9 @@ def plan_items(discovery: Discovery, run: RunConfig, spec: ModelSpec, identity: 
             continue
         references = tuple(reference_crop(family.reference_size(spec, bucket, size, data.control_resolution), size,
                                           crop, (item.width, item.height)) for size in item.control_sizes)
-        controls = [("control", *_file_identity(path), plan) for path, plan in zip(item.controls, references, strict=True)]
-        latent_key = _digest(CACHE_VERSION, *(item.identity or _file_identity(item.image)), crop, identity, str(STORE_DTYPE), data.flip,
-                             *([("mask", item.mask_alpha, *_file_identity(item.mask))] if item.mask else []), *controls)
+        controls = [("control", *file_identity(path), plan) for path, plan in zip(item.controls, references, strict=True)]
+        latent_key = _digest(CACHE_VERSION, *(item.identity or file_identity(item.image)), crop, identity, str(STORE_DTYPE), data.flip,
+                             *([("mask", item.mask_alpha, *file_identity(item.mask))] if item.mask else []), *controls)
         # A text encoder that reads the references with the caption makes them part of the text's address (as it
         # reads them: over data.background where transparent).
         seen = [*controls, ("background", data.background), *family.text_reference_identity(spec)] \
@@ -197,9 +197,6 @@ def reference_crop(size: tuple[int, int], control: tuple[int, int], target_crop:
     if control == target and size == target_crop.bucket:
         return target_crop
     return plan_crop(*control, size, "center", None)
-
-
-_file_identity = identity
 
 
 def text_key(text: str, identity: str, text_tokens: int, spec: ModelSpec, *images: Any) -> str:

@@ -175,7 +175,7 @@ class Index:
 
     def groups(self, rows: np.ndarray) -> np.ndarray:
         """The sampler's group of each of these rows: its bucket id, and for edit samples also its references'
-        sizes (prepare.batch_groups's rule), so that every tensor of a batch stacks."""
+        sizes, so that every tensor of a batch stacks (a text-to-image sample's group is its bucket id, as it was)."""
         bucket = self.rows["bucket_id"][rows].astype(np.int64)
         ids = self.rows["reference_sizes"][rows]
         if not (ids >= 0).any():

@@ -105,13 +105,6 @@ def bucket_sampler(prepared: Prepared, global_batch: int, micro_batch: int, topo
         raise ZerotrainError(f"training.global_batch_size={global_batch}: {err}") from err
 
 
-def batch_groups(samples: list[Planned]) -> list[int]:
-    """The sampler's group id of each sample: its bucket id, and for edit samples also its references'
-    sizes (Planned.group), so that every tensor of a batch stacks. Samples without references keep
-    their bucket id, and so the sampler's fingerprint of a text-to-image run."""
-    return data_index.from_planned(samples).groups(np.arange(len(samples))).tolist()
-
-
 def fingerprint(run: RunConfig, spec: ModelSpec, identity: str) -> str:
     """What the index's plans depend on besides the datasets' files: the encoders, the family, the seed where
     crops are random, and the data section's fields that change what is found or how it is planned (not those
